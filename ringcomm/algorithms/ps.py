@@ -1,0 +1,100 @@
+"""The parameter-server baseline: everything goes through one root rank.
+
+All-reduce on n ranks, buffer of S bytes, root 0:
+
+- every other rank sends its whole buffer to the root (step 0);
+- the root reduces them in rank order (so the result does not depend on arrival order),
+  finishes it, and sends the result to every rank (step 1).
+
+Traffic: the root receives (n−1)·S and sends (n−1)·S, growing with n; every other rank
+sends S and receives S. That hot spot is what the ring removes (compare :mod:`.ring`).
+Reduce-scatter and all-gather go through rank 0 the same way; broadcast and reduce talk to
+their root directly.
+"""
+
+
+from ..ops import finalize, reduce_into
+from .chunks import segments
+
+
+def _gather_reduce(link, acc, op, root, source):
+    """On ``root``: reduce every other rank's buffer into ``acc`` in rank order.
+    Elsewhere: send ``source`` to the root. Step 0."""
+    n, r = link.size, link.rank
+    segs = segments(acc.size if r == root else source.size, (acc if r == root else source).itemsize,
+                    link.segment_bytes)
+    if r != root:
+        for j, sl in enumerate(segs):
+            link.send(root, 0, j, source[sl])
+        return
+    for j, sl in enumerate(segs):
+        for peer in range(n):
+            if peer != root:
+                reduce_into(op, acc[sl], link.recv(peer, 0, j, sl.stop - sl.start))
+    finalize(op, acc, n)
+
+
+def _scatter_from(link, root, pieces, step):
+    """``root`` sends ``pieces[peer]`` (flat arrays) to each peer in ``step``."""
+    for peer in range(link.size):
+        if peer != root:
+            for j, sl in enumerate(segments(pieces[peer].size, pieces[peer].itemsize, link.segment_bytes)):
+                link.send(peer, step, j, pieces[peer][sl])
+
+
+def _receive_from(link, root, dst, step):
+    for j, sl in enumerate(segments(dst.size, dst.itemsize, link.segment_bytes)):
+        dst[sl] = link.recv(root, step, j, sl.stop - sl.start)
+
+
+def all_reduce(link, x, op, root=0):
+    """In place: ranks send ``x`` to ``root``, which reduces and sends the result back."""
+    _gather_reduce(link, x, op, root, x)
+    if link.rank == root:
+        _scatter_from(link, root, [x] * link.size, 1)
+    else:
+        _receive_from(link, root, x, 1)
+
+
+def reduce(link, x, root, op):
+    """``x`` on ``root`` gets the reduction; others only send."""
+    _gather_reduce(link, x, op, root, x)
+
+
+def broadcast(link, x, root):
+    """In place: ``root`` sends ``x`` to every rank directly."""
+    if link.rank == root:
+        _scatter_from(link, root, [x] * link.size, 0)
+    else:
+        _receive_from(link, root, x, 0)
+
+
+def reduce_scatter(link, out, x, op, root=0):
+    """Root 0 reduces the whole of ``x`` (into a scratch copy) and sends each rank its chunk."""
+    n, m = link.size, out.size
+    acc = x.copy() if link.rank == root else None
+    _gather_reduce(link, acc, op, root, x)
+    if link.rank == root:
+        pieces = [acc[p * m:(p + 1) * m] for p in range(n)]
+        _scatter_from(link, root, pieces, 1)
+        out[...] = pieces[root]
+    else:
+        _receive_from(link, root, out, 1)
+
+
+def all_gather(link, out, x, root=0):
+    """Root 0 collects every rank's ``x`` into ``out`` and sends the whole of it back."""
+    n, r, m = link.size, link.rank, x.size
+    if r != root:
+        for j, sl in enumerate(segments(m, x.itemsize, link.segment_bytes)):
+            link.send(root, 0, j, x[sl])
+        _receive_from(link, root, out, 1)
+        return
+    out[r * m:(r + 1) * m] = x
+    for peer in range(n):
+        if peer != root:
+            _receive_from(link, peer, out[peer * m:(peer + 1) * m], 0)
+    _scatter_from(link, root, [out] * n, 1)
+
+
+

@@ -1,0 +1,167 @@
+"""Ring collectives: reduce-scatter, all-gather, all-reduce; chain broadcast and reduce.
+
+Rank r sends only to its right neighbour r+1 and receives only from its left neighbour r−1.
+The buffer is cut into n chunks (see :mod:`.chunks`). Ring all-reduce on 4 ranks, chunks
+A B C D, where ``Xr`` is chunk X summed over some ranks and ``X*`` the finished chunk:
+
+=====  ===============  ===============  ===============  ===============
+step   rank 0 sends     rank 1 sends     rank 2 sends     rank 3 sends
+=====  ===============  ===============  ===============  ===============
+0      A0               B1               C2               D3
+1      D30              A01              B12              C23
+2      C230             D301             A012             B123
+3      B*               C*               D*               A*
+4      A*               B*               C*               D*
+5      D*               A*               B*               C*
+=====  ===============  ===============  ===============  ===============
+
+Steps 0..n−2 are the **reduce-scatter**: each received chunk is reduced into the local copy
+and forwarded next step; after them rank r holds the finished chunk r+1. Steps n−1..2n−3 are
+the **all-gather**: finished chunks travel round once more and are copied. In step s rank r
+sends chunk (r−s) mod n and receives chunk (r−s−1) mod n.
+
+Cost per rank: 2(n−1) steps, 2(n−1)/n·S bytes sent and received, whatever n is; the sum over
+ranks is exactly 2(n−1)·S. Each chunk is reduced at one place and then copied, so every rank
+ends with bitwise-identical results.
+
+Pipelining: every chunk is cut into the same number of segments and each segment travels
+the ring on its own; segment j of step s is processed in *wave* s+j. While the ZeroMQ I/O
+thread receives the next segments, this thread reduces the current one, and at most about
+min(segments, steps) segments are in flight per link.
+"""
+from ..ops import finalize, reduce_into, reduced
+from .chunks import segment_table, segments
+
+
+def _pipeline(link, nsteps, nseg, first, count, on_receive):
+    """Drive ``nsteps`` ring steps of ``nseg`` segments each, wave by wave.
+
+    ``first(j)``: what to send in step 0 for segment j. ``count(step, j)``: how many elements
+    arrive. ``on_receive(step, j, data)``: use them; returns what to forward in step+1.
+    """
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for wave in range(nsteps + nseg - 1):
+        if wave < nseg:
+            link.send(right, 0, wave, first(wave))
+        for j in range(max(0, wave - nsteps + 1), min(wave, nseg - 1) + 1):
+            step = wave - j
+            forward = on_receive(step, j, link.recv(left, step, j, count(step, j)))
+            if step + 1 < nsteps:
+                link.send(right, step + 1, j, forward)
+
+
+def _length(sl):
+    return sl.stop - sl.start
+
+
+def all_reduce(link, x, op, segment_bytes):
+    """In place on flat ``x``: every rank ends with ``op`` over all ranks' ``x``."""
+    n, r = link.size, link.rank
+    if n == 1:
+        finalize(op, x, 1)
+        return
+    table = segment_table(x.size, n, x.itemsize, segment_bytes)
+
+    def chunk_of(step):
+        return table[(r - step - 1) % n]
+
+    def on_receive(step, j, data):
+        seg = x[chunk_of(step)[j]]
+        if step < n - 1:
+            reduce_into(op, seg, data)
+            if step == n - 2:  # this chunk is now finished here
+                finalize(op, seg, n)
+        else:
+            seg[...] = data
+        return seg
+
+    _pipeline(link, 2 * (n - 1), len(table[0]), lambda j: x[table[r][j]],
+              lambda step, j: _length(chunk_of(step)[j]), on_receive)
+
+
+def reduce_scatter(link, out, x, op, segment_bytes):
+    """``out`` (m elements) gets chunk ``rank`` of ``op`` over all ranks' ``x`` (n·m elements).
+
+    ``x`` is not modified: partial sums travel in fresh arrays. Chunk indices are shifted by
+    one against :func:`all_reduce` so that rank r finishes chunk r.
+    """
+    n, r, m = link.size, link.rank, out.size
+    if n == 1:
+        out[...] = x
+        finalize(op, out, 1)
+        return
+    table = segment_table(x.size, n, x.itemsize, segment_bytes)
+
+    def chunk_index(step):
+        return (r - step - 2) % n
+
+    def on_receive(step, j, data):
+        c = chunk_index(step)
+        sl = table[c][j]
+        if step < n - 2:
+            return reduced(op, x[sl], data)
+        dst = out[sl.start - c * m: sl.stop - c * m]
+        reduced(op, x[sl], data, out=dst)
+        finalize(op, dst, n)
+        return None
+
+    _pipeline(link, n - 1, len(table[0]), lambda j: x[table[(r - 1) % n][j]],
+              lambda step, j: _length(table[chunk_index(step)][j]), on_receive)
+
+
+def all_gather(link, out, x, segment_bytes):
+    """``out`` (n·m elements) gets every rank's ``x`` (m elements), in rank order."""
+    n, r, m = link.size, link.rank, x.size
+    out[r * m:(r + 1) * m] = x
+    if n == 1:
+        return
+    table = segment_table(out.size, n, out.itemsize, segment_bytes)
+
+    def on_receive(step, j, data):
+        seg = out[table[(r - step - 1) % n][j]]
+        seg[...] = data
+        return seg
+
+    _pipeline(link, n - 1, len(table[0]), lambda j: out[table[r][j]],
+              lambda step, j: _length(table[(r - step - 1) % n][j]), on_receive)
+
+
+def broadcast(link, x, root, segment_bytes):
+    """In place: ``x`` of ``root`` flows down the chain root → root+1 → … → root−1.
+
+    Segments are forwarded as soon as they arrive, so the chain is a pipeline: time
+    ≈ (n − 1 + segments − 1) segment hops. Every rank but the last sends S.
+    """
+    n, r = link.size, link.rank
+    pos = (r - root) % n
+    for j, sl in enumerate(segments(x.size, x.itemsize, segment_bytes)):
+        if pos > 0:
+            x[sl] = link.recv((r - 1) % n, 0, j, _length(sl))
+        if pos < n - 1:
+            link.send((r + 1) % n, 0, j, x[sl])
+
+
+def reduce(link, x, root, op, segment_bytes):
+    """``x`` on ``root`` gets ``op`` over all ranks; ``x`` elsewhere is left unchanged.
+
+    Partial results flow down the chain root+1 → root+2 → … → root, one segment at a time.
+    """
+    n, r = link.size, link.rank
+    pos = (r - root - 1) % n  # root+1 starts the chain at position 0; root ends it
+    if n == 1:
+        finalize(op, x, 1)
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    for j, sl in enumerate(segments(x.size, x.itemsize, segment_bytes)):
+        if pos == 0:
+            link.send(right, 0, j, x[sl])
+            continue
+        data = link.recv(left, 0, j, _length(sl))
+        if pos == n - 1:
+            finalize(op, reduce_into(op, x[sl], data), n)
+        else:
+            link.send(right, 0, j, reduced(op, x[sl], data))
+
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]

@@ -1,0 +1,326 @@
+"""The Communicator: the public face of ringcomm.
+
+A communicator is a group of ranks that run collectives together. It checks arguments
+locally (raising ``ValueError``/``TypeError`` before anything is sent), gives every
+collective a sequence number, picks an algorithm, and hands the work to the process's
+communication thread (:mod:`ringcomm.engine`). ``async_op=True`` returns a
+:class:`~ringcomm.engine.Work` handle instead of waiting.
+
+Algorithms (``algorithm=``): ``"ring"`` (ring reduce-scatter + all-gather; a pipelined chain
+for broadcast and reduce), ``"ps"`` (parameter server: everything through a root, rank 0 for
+all-reduce, reduce-scatter and all-gather), ``"rd"`` (recursive doubling, all-reduce only,
+power-of-two groups), ``"auto"`` (few-hop schedules for small messages, the ring otherwise).
+
+Every collective on every rank gets the same signature (collective, dtype, count, op, root,
+algorithm); a rank that sees a different one raises :class:`CollectiveMismatch` describing
+both sides and tells every other rank, which raise it too.
+
+>>> comm = ringcomm.init()
+>>> x = np.full(3, comm.rank + 1.0)
+>>> comm.all_reduce(x)            # rank 0 and rank 1 of 2: x == [3., 3., 3.]
+"""
+import time
+import zlib
+from collections import defaultdict
+
+import numpy as np
+
+from . import signature
+from .algorithms import ps, rd, ring
+from .algorithms.chunks import segments
+from .errors import CollectiveMismatch, CommError, SignatureMismatch
+from .link import Link, Stats
+from .ops import parse_op
+
+ALGORITHMS = ("auto", "ring", "ps", "rd")
+SMALL_MESSAGE_BYTES = 64 * 1024  # "auto" uses few-hop schedules at or below this size
+
+
+def _check_array(x, name, writable=True):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+    if not signature.dtype_supported(x.dtype):
+        names = ", ".join(d.name for d in signature.DTYPES)
+        raise TypeError(f"{name} has unsupported dtype {x.dtype}; supported: {names}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if writable and not x.flags.writeable:
+        raise ValueError(f"{name} is read-only, but this collective writes into it")
+    return x.reshape(-1)
+
+
+class Communicator:
+    """A group of ranks. Create the world with :func:`ringcomm.init`, subgroups with
+    :meth:`new_group`.
+
+    ``rank``/``world_size`` are this process's position and the group size; ``ranks`` the
+    group's members as global ranks.
+    """
+
+    def __init__(self, engine, ranks, rank, comm_id, name, timeout, segment_bytes, is_world):
+        self._engine = engine
+        self.ranks = tuple(ranks)
+        self.rank = rank
+        self.world_size = len(ranks)
+        self.comm_id, self.name = comm_id, name
+        self.timeout, self.segment_bytes = timeout, segment_bytes
+        self.device = "cpu"
+        self._is_world = is_world
+        self._seq = 0
+        self._p2p_seq = defaultdict(int)
+        self._groups = 0
+        self._stats = Stats()
+        self._closed = False
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, x, op="sum", algorithm="auto", async_op=False):
+        """In place: every rank's ``x`` becomes ``op`` over all ranks' ``x``; returns ``x``.
+
+        Every rank ends with bitwise-identical values. Ring cost per rank: 2(n−1) steps,
+        2(n−1)/n·S bytes sent.
+
+        >>> x = np.array([rank + 1.0])       # rank 0: [1.], rank 1: [2.]
+        >>> comm.all_reduce(x, op="sum")     # both: [3.]
+        """
+        flat = _check_array(x, "x")
+        op = parse_op(op, x.dtype)
+        algo = self._algorithm(algorithm, "all_reduce", x.nbytes)
+        body = {"ring": lambda link: ring.all_reduce(link, flat, op, link.segment_bytes),
+                "ps": lambda link: ps.all_reduce(link, flat, op),
+                "rd": lambda link: rd.all_reduce(link, flat, op)}[algo]
+        return self._submit("all_reduce", body, x.dtype, x.size, op, algo, 0, async_op, x)
+
+    def reduce_scatter(self, out, x, op="sum", algorithm="auto", async_op=False):
+        """``out`` gets the reduced slice ``[rank*out.size:(rank+1)*out.size]`` of flat ``x``
+        (``x.size == world_size * out.size``); ``x`` is unchanged. Returns ``out``.
+
+        >>> x = np.arange(4.0)               # on both of 2 ranks
+        >>> comm.reduce_scatter(out, x)      # rank 0: out == [0., 2.], rank 1: [4., 6.]
+        """
+        flat_out, flat = _check_array(out, "out"), _check_array(x, "x", writable=False)
+        self._check_pair(out, x, x.size, self.world_size * out.size, "x.size", "world_size * out.size")
+        op = parse_op(op, x.dtype)
+        algo = self._algorithm(algorithm, "reduce_scatter", x.nbytes)
+        body = {"ring": lambda link: ring.reduce_scatter(link, flat_out, flat, op, link.segment_bytes),
+                "ps": lambda link: ps.reduce_scatter(link, flat_out, flat, op)}[algo]
+        return self._submit("reduce_scatter", body, x.dtype, x.size, op, algo, 0, async_op, out)
+
+    def all_gather(self, out, x, algorithm="auto", async_op=False):
+        """``out`` gets every rank's ``x`` in rank order (``out.size == world_size * x.size``).
+        Returns ``out``.
+
+        >>> x = np.array([rank])             # rank 0: [0], rank 1: [1]
+        >>> comm.all_gather(out, x)          # both: out == [0, 1]
+        """
+        flat_out, flat = _check_array(out, "out"), _check_array(x, "x", writable=False)
+        self._check_pair(out, x, out.size, self.world_size * x.size, "out.size", "world_size * x.size")
+        algo = self._algorithm(algorithm, "all_gather", out.nbytes)
+        body = {"ring": lambda link: ring.all_gather(link, flat_out, flat, link.segment_bytes),
+                "ps": lambda link: ps.all_gather(link, flat_out, flat)}[algo]
+        return self._submit("all_gather", body, x.dtype, x.size, None, algo, 0, async_op, out)
+
+    def broadcast(self, x, root=0, algorithm="auto", async_op=False):
+        """In place: every rank's ``x`` becomes ``root``'s ``x``. Returns ``x``.
+
+        >>> x = np.array([7.0]) if rank == 0 else np.zeros(1)
+        >>> comm.broadcast(x, root=0)        # every rank: [7.]
+        """
+        flat = _check_array(x, "x", writable=self.world_size > 1)
+        self._check_root(root)
+        algo = self._algorithm(algorithm, "broadcast", x.nbytes)
+        body = {"ring": lambda link: ring.broadcast(link, flat, root, link.segment_bytes),
+                "ps": lambda link: ps.broadcast(link, flat, root)}[algo]
+        return self._submit("broadcast", body, x.dtype, x.size, None, algo, root, async_op, x)
+
+    def reduce(self, x, root=0, op="sum", algorithm="auto", async_op=False):
+        """``x`` on ``root`` becomes ``op`` over all ranks; ``x`` elsewhere is unchanged.
+
+        >>> x = np.array([rank + 1.0])
+        >>> comm.reduce(x, root=1)           # rank 1: [3.]; rank 0 still [1.]
+        """
+        flat = _check_array(x, "x")
+        self._check_root(root)
+        op = parse_op(op, x.dtype)
+        algo = self._algorithm(algorithm, "reduce", x.nbytes)
+        body = {"ring": lambda link: ring.reduce(link, flat, root, op, link.segment_bytes),
+                "ps": lambda link: ps.reduce(link, flat, root, op)}[algo]
+        return self._submit("reduce", body, x.dtype, x.size, op, algo, root, async_op, x)
+
+    def barrier(self, algorithm="auto", async_op=False):
+        """Returns once every rank of the group has entered. ``auto``: dissemination
+        (ceil(log2 n) rounds); ``ring``/``ps``: an empty all-reduce with that algorithm."""
+        if algorithm == "auto":
+            body, algo = rd.barrier, "dissemination"
+        else:
+            algo = self._algorithm(algorithm, "barrier", 0)
+            empty = np.empty(0, np.uint8)
+            body = {"ring": lambda link: ring.all_reduce(link, empty, parse_op("sum", np.uint8), 1),
+                    "ps": lambda link: ps.all_reduce(link, empty, parse_op("sum", np.uint8))}[algo]
+        return self._submit("barrier", body, np.uint8, 0, None, algo, 0, async_op, None)
+
+    def send(self, x, dst, tag=0, async_op=False):
+        """Send ``x`` to rank ``dst``; the matching :meth:`recv` names this rank and ``tag``.
+        Returns once ``x`` may be modified again (not when it was received)."""
+        flat = _check_array(x, "x", writable=False)
+        self._check_peer(dst, "dst", tag)
+
+        def body(link):
+            for j, sl in enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)):
+                link.send(dst, tag, j, flat[sl])
+        return self._submit("send", body, x.dtype, x.size, None, None, 0, async_op, None,
+                            p2p=("to", dst, tag))
+
+    def recv(self, x, src, tag=0, async_op=False):
+        """In place: ``x`` gets what rank ``src`` sent with ``tag`` (same dtype and size).
+        Returns ``x``."""
+        flat = _check_array(x, "x")
+        self._check_peer(src, "src", tag)
+
+        def body(link):
+            for j, sl in enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)):
+                flat[sl] = link.recv(src, tag, j, sl.stop - sl.start)
+        return self._submit("send", body, x.dtype, x.size, None, None, 0, async_op, x,
+                            p2p=("from", src, tag))
+
+    # -- groups, statistics, closing -------------------------------------------------------
+    def new_group(self, ranks):
+        """A communicator over ``ranks`` (ranks of this communicator; group rank i is
+        ``ranks[i]``). Every rank of this communicator must call it, with the same list, in
+        the same order of calls; ranks outside the group get ``None``.
+
+        >>> evens = comm.new_group([0, 2])   # rank 0 -> group rank 0, rank 2 -> group rank 1
+        """
+        members = [int(r) for r in ranks]
+        if not members or len(set(members)) != len(members) or \
+                any(not 0 <= r < self.world_size for r in members):
+            raise ValueError(f"new_group needs distinct ranks in [0, {self.world_size}), got {list(ranks)}")
+        self._check_open()
+        index = self._groups
+        self._groups += 1
+        digest = zlib.crc32(f"{self.comm_id}/{index}/{members}".encode())
+        mine = np.array([digest], np.int64)
+        everyone = np.empty(self.world_size, np.int64)
+        self.all_gather(everyone, mine)  # all ranks must agree on membership
+        differing = [r for r in range(self.world_size) if everyone[r] != digest]
+        if differing:
+            raise CollectiveMismatch(f"new_group #{index} on {self.name}: rank {self.rank} asked "
+                                     f"for {members}, ranks {differing} asked for other members")
+        if self.rank not in members:
+            return None
+        return Communicator(self._engine, [self.ranks[r] for r in members], members.index(self.rank),
+                            digest or 1, f"group{members}", self.timeout, self.segment_bytes, False)
+
+    def stats(self):
+        """Payload bytes and messages this rank sent and received on this communicator."""
+        return self._stats.as_dict()
+
+    def reset_stats(self):
+        self._stats = Stats()
+
+    def close(self):
+        """Release the communicator. Closing the world also stops the communication thread
+        after the queued work and says goodbye to every peer; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._is_world:
+            self._engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<Communicator {self.name} rank {self.rank}/{self.world_size}>"
+
+    # -- internals -------------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed or self._engine.closed:
+            raise CommError(f"{self.name}: communicator is closed")
+
+    def _check_root(self, root):
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.world_size:
+            raise ValueError(f"root {root!r} is not a rank of {self.name} (size {self.world_size})")
+
+    def _check_peer(self, peer, name, tag):
+        self._check_root(peer)
+        if peer == self.rank:
+            raise ValueError(f"{name}={peer} is this rank itself")
+        if not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 32:
+            raise ValueError(f"tag must be an integer in [0, 2**32), got {tag!r}")
+
+    def _check_pair(self, out, x, got, want, got_name, want_name):
+        if out.dtype != x.dtype:
+            raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}; they must match")
+        if got != want:
+            raise ValueError(f"{got_name} = {got} but {want_name} = {want}")
+        if np.shares_memory(out, x):
+            raise ValueError("out and x must not overlap")
+
+    def _algorithm(self, algorithm, collective, nbytes):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+        n = self.world_size
+        if algorithm == "rd" and (collective != "all_reduce" or not rd.is_applicable(n)):
+            raise ValueError(f"algorithm 'rd' is for all_reduce on power-of-two groups, "
+                             f"not {collective} on {n} ranks")
+        if algorithm != "auto":
+            return algorithm
+        small = nbytes <= SMALL_MESSAGE_BYTES
+        if collective == "all_reduce" and small and n > 1 and rd.is_applicable(n):
+            return "rd"
+        if collective in ("broadcast", "reduce") and small:
+            return "ps"
+        return "ring"
+
+    def _submit(self, collective, body, dtype, count, op, algorithm, root, async_op, result, p2p=None):
+        """Queue ``body(link)`` on the communication thread as one collective call."""
+        self._check_open()
+        sig = signature.pack(collective, dtype, op, algorithm, root, count)
+        engine = self._engine
+        with engine.lock:
+            if engine.closed:
+                raise CommError(f"{self.name}: communicator is closed")
+            if p2p is None:
+                space, seq = 0, self._seq
+                self._seq += 1
+                what = f"{collective} #{seq} on {self.name}"
+            else:
+                space, seq = 1, self._p2p_seq[p2p]
+                self._p2p_seq[p2p] += 1
+                what = f"{'send to' if p2p[0] == 'to' else 'recv from'} rank {p2p[1]} (tag {p2p[2]}, #{seq}) on {self.name}"
+
+            def run(transport):
+                link = Link(transport, self.ranks, self.rank, self.comm_id, space, seq, sig, dtype,
+                            self.segment_bytes, time.monotonic() + self.timeout, what, self._stats)
+                try:
+                    body(link)
+                    transport.flush(link.deadline, what)
+                except SignatureMismatch as exc:
+                    error = CollectiveMismatch(
+                        f"{what}: rank {self.ranks[self.rank]} called {signature.describe(exc.ours)} "
+                        f"but rank {exc.src} called {signature.describe(exc.theirs)}")
+                    self._abort(transport, space, seq, error)
+                    raise error from None
+                except Exception as exc:
+                    if not getattr(exc, "remote", False):
+                        self._abort(transport, space, seq, exc)
+                    raise
+                finally:
+                    if space == 0:
+                        transport.retire(self.comm_id, seq)
+                self._stats.collectives += 1
+                return result
+
+            work = engine.submit(run, what)
+        return work if async_op else work.wait()
+
+    def _abort(self, transport, space, seq, exc):
+        if space != 0:
+            return
+        try:
+            transport.abort(self.ranks, self.comm_id, seq, exc)
+        except Exception:  # noqa: BLE001 - the original error is what matters
+            pass

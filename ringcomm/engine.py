@@ -1,0 +1,102 @@
+"""The communication thread, and the work handles that ``async_op=True`` returns.
+
+ZeroMQ sockets are not thread-safe, so one thread per process owns the transport and runs
+every collective, in submission order, from a queue. A synchronous call submits and waits;
+an asynchronous call returns the :class:`Work` at once. numpy and pyzmq release the GIL in
+their heavy loops, so the caller's compute overlaps the communication.
+
+>>> work = comm.all_reduce(grad, async_op=True)   # returns at once
+>>> loss = forward(next_batch)                     # overlaps with the all-reduce
+>>> work.wait()                                    # grad now holds the sum
+"""
+import logging
+import queue
+import threading
+
+from .errors import CommTimeout
+
+log = logging.getLogger(__name__)
+
+
+class Work:
+    """Handle of one submitted operation."""
+
+    def __init__(self, fn, what):
+        self._fn, self.what = fn, what
+        self._done = threading.Event()
+        self._result = self._error = None
+
+    def _run(self, transport):
+        try:
+            self._result = self._fn(transport)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._error = exc
+        finally:
+            self._fn = None
+            self._done.set()
+
+    def is_completed(self):
+        """True once the operation finished, successfully or not."""
+        return self._done.is_set()
+
+    def wait(self, timeout=None):
+        """Block until done (at most ``timeout`` seconds); return the result or raise its error.
+
+        The communicator's own deadline bounds every operation, so ``timeout=None`` never
+        waits forever.
+        """
+        if not self._done.wait(timeout):
+            raise CommTimeout(f"{self.what}: still running after wait(timeout={timeout})")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self):
+        return self._error
+
+
+class Engine:
+    """Owns the transport and the thread that runs every operation on it.
+
+    ``make_transport`` runs on the thread itself, so the sockets are created where they
+    are used; its errors are raised by the constructor.
+    """
+
+    def __init__(self, make_transport, name="ringcomm"):
+        self._queue = queue.SimpleQueue()
+        self.lock = threading.Lock()  # orders sequence numbers with queue order
+        self.transport = None
+        self.closed = False
+        ready = Work(lambda _: make_transport(), "start-up")
+        self._thread = threading.Thread(target=self._loop, args=(ready,), name=name, daemon=True)
+        self._thread.start()
+        self.transport = ready.wait()
+
+    def _loop(self, ready):
+        ready._run(None)
+        if ready.exception() is not None:
+            return
+        while True:
+            work = self._queue.get()
+            if work is None:
+                break
+            work._run(self.transport)
+        try:
+            self.transport.close()
+        except Exception:  # noqa: BLE001 - nothing left to report to
+            log.exception("error while closing the transport")
+
+    def submit(self, fn, what):
+        """Queue ``fn(transport)``; returns its :class:`Work`. Call with ``self.lock`` held."""
+        work = Work(fn, what)
+        self._queue.put(work)
+        return work
+
+    def close(self, timeout=60.0):
+        """Finish queued work, close the transport (BYE to peers) and stop the thread."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._queue.put(None)
+        self._thread.join(timeout)

@@ -1,0 +1,94 @@
+"""Where this process sits in the job: rank, world size, and how to reach rank 0.
+
+Read from the environment that a launcher leaves, in this order:
+
+- ``ringcomm.launch`` and torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``;
+- Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``;
+- SLURM's ``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NTASKS_PER_NODE``;
+- none of them: a single process (rank 0 of 1).
+
+``MASTER_ADDR`` (default 127.0.0.1) and ``MASTER_PORT`` name rank 0's rendezvous. Settings:
+``RINGCOMM_TIMEOUT`` (seconds, default 300), ``RINGCOMM_SEGMENT_BYTES`` (default 512 KiB),
+``RINGCOMM_SECRET`` (the job secret; ``ringcomm.launch`` generates one),
+``RINGCOMM_TRANSPORT=tcp`` (TCP even between ranks of one host).
+"""
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_SEGMENT_BYTES = 512 * 1024
+
+_SOURCES = (
+    ("launcher", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+@dataclass
+class JobInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    source: str = "none"
+    timeout: float = DEFAULT_TIMEOUT
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    secret: str = ""
+    force_tcp: bool = False
+
+
+def _int(environ, name, default=None):
+    value = environ.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set")
+        return default
+    match = re.match(r"\d+", value)  # SLURM writes task counts like "2(x3)"
+    if not match:
+        raise ValueError(f"environment variable {name}={value!r} is not a non-negative integer")
+    return int(match.group())
+
+
+def from_environ(environ=None):
+    """The :class:`JobInfo` described by ``environ`` (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    info = JobInfo()
+    for source, rank, size, local_rank, local_size in _SOURCES:
+        if rank in environ:
+            info.source = source
+            info.rank = _int(environ, rank)
+            info.world_size = _int(environ, size)
+            info.local_rank = _int(environ, local_rank, 0)
+            info.local_world_size = _int(environ, local_size, info.world_size)
+            break
+    info.master_addr = environ.get("MASTER_ADDR") or "127.0.0.1"
+    info.master_port = _int(environ, "MASTER_PORT", 0)
+    if "RINGCOMM_TIMEOUT" in environ:
+        info.timeout = float(environ["RINGCOMM_TIMEOUT"])
+    info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES)
+    info.secret = environ.get("RINGCOMM_SECRET") or hashlib.sha256(
+        f"ringcomm:{info.master_addr}:{info.master_port}".encode()).hexdigest()[:32]
+    info.force_tcp = environ.get("RINGCOMM_TRANSPORT", "").lower() == "tcp"
+    return info
+
+
+def validate(info):
+    """Raise ``ValueError`` for a job description that cannot work."""
+    if info.world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {info.world_size}")
+    if not 0 <= info.rank < info.world_size:
+        raise ValueError(f"rank {info.rank} is outside world size {info.world_size}")
+    if info.world_size > 1 and not info.master_port:
+        raise ValueError("MASTER_PORT is not set: ranks cannot find rank 0's rendezvous "
+                         "(start the job with `python -m ringcomm.launch`, or set "
+                         "MASTER_ADDR and MASTER_PORT)")
+    if info.timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {info.timeout}")
+    if info.segment_bytes < 1024:
+        raise ValueError(f"segment size must be at least 1024 bytes, got {info.segment_bytes}")

@@ -1,0 +1,52 @@
+"""Exceptions raised by ringcomm.
+
+Misuse that a rank can detect on its own (a wrong size, dtype, root, ...) raises the
+built-in ``ValueError`` or ``TypeError`` before anything is sent. Everything that involves
+other ranks raises a :class:`CommError`:
+
+- :class:`CommTimeout`: a deadline passed; the message names the collective, its sequence
+  number and the rank that was being waited on.
+- :class:`PeerLost`: another rank died or closed its communicator; ``.rank`` names it.
+- :class:`CollectiveMismatch`: ranks called different collectives, or the same collective
+  with different arguments; the message describes both sides.
+
+An error that another rank reported to this one (through an abort message) has
+``remote = True``; this rank does not forward it again.
+"""
+
+
+class CommError(RuntimeError):
+    """A collective could not complete because of other ranks or the network."""
+
+    remote = False
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A wait passed its deadline."""
+
+
+class PeerLost(CommError):
+    """A peer process died, disconnected or closed its communicator."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class CollectiveMismatch(CommError):
+    """Ranks disagree on which collective runs, or on its dtype, size, op, root or algorithm."""
+
+
+class FrameError(CommError):
+    """A frame from the network is malformed, truncated, oversized or foreign."""
+
+
+class SignatureMismatch(CollectiveMismatch):
+    """Internal: a message's collective signature differs from this rank's.
+
+    Carries the raw signatures so the communicator can describe both sides in words.
+    """
+
+    def __init__(self, src, theirs, ours):
+        super().__init__(f"rank {src} sent signature {theirs.hex()}, this rank expects {ours.hex()}")
+        self.src, self.theirs, self.ours = src, theirs, ours

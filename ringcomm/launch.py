@@ -1,0 +1,475 @@
+"""Start a group of ringcomm workers on this host (torchrun-compatible).
+
+Usage::
+
+    python -m ringcomm.launch [options] [script.py args... | -m module args...]
+
+With neither a script nor ``-m``, the project's main job ``-m ringcomm.selfcheck``
+(``DEFAULT_MODULE``) is run.  Everything after the script path or the module
+name is handed to every worker unchanged, so ``train.py --lr 0.1`` reaches the
+worker as ``sys.argv[1:] == ["--lr", "0.1"]``.
+
+Options (dash and underscore spellings are both accepted):
+
+  --nproc N             workers on this host (alias --nproc-per-node), default 1
+  --nnodes N            hosts in the job, default 1
+  --node-rank R         index of this host, default 0
+  --master-addr HOST    rank 0's host; default $MASTER_ADDR or 127.0.0.1
+  --master-port PORT    default $MASTER_PORT; with one node a free TCP port is
+                        picked (again for each restart); with several, 29500
+  --max-restarts K      on a failure stop all workers and start them all again,
+                        at most K times (single node only), default 0
+  --timeout SECONDS     collective deadline, exported as RINGCOMM_TIMEOUT
+  --no-prefix           let workers write straight to the launcher's terminal
+
+Environment of each worker (on top of the launcher's own):
+
+  RANK = node_rank * nproc + local_rank, LOCAL_RANK, WORLD_SIZE = nnodes * nproc,
+  LOCAL_WORLD_SIZE = nproc, GROUP_RANK = node_rank, MASTER_ADDR, MASTER_PORT,
+  TORCHELASTIC_RESTART_COUNT and RINGCOMM_RESTART_COUNT (attempt number, from 0),
+  PYTHONUNBUFFERED=1, OMP_NUM_THREADS=1 (only if nproc > 1 and it is not set),
+  RINGCOMM_TIMEOUT (only with --timeout), and RINGCOMM_SECRET: taken from the
+  launcher's environment if set, else random (single node) or, with several
+  nodes, derived from master address and port (a warning asks you to set it).
+
+Workers run as ``sys.executable -u ...``, each in its own session/process group.
+Their stdout and stderr lines are re-emitted as ``[rank R]: line`` on the
+launcher's stdout and stderr respectively.
+
+Failure behaviour: as soon as one worker exits non-zero or dies by a signal, the
+launcher reports it on stderr (``ringcomm.launch: rank 2 (local rank 2, pid
+1234) failed: exit code 3``), sends SIGTERM to every worker's process group,
+waits 3 s, SIGKILLs whatever is left and reaps all workers.  It then restarts
+the group if restarts remain.  Exit status: 0 if every worker exited 0, 1 after
+a failure, 130 on SIGINT and 143 on SIGTERM (forwarded to workers as SIGTERM).
+
+Examples::
+
+    python -m ringcomm.launch --nproc 4                    # run ringcomm.selfcheck
+    python -m ringcomm.launch --nproc 2 train.py --lr 0.1
+    RINGCOMM_SECRET=... python -m ringcomm.launch --nnodes 2 --node-rank 0 \\
+        --nproc 8 --master-addr 10.0.0.1 --master-port 29500 -m mypkg.train
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import hashlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_MODULE = "ringcomm.selfcheck"
+DEFAULT_MULTINODE_PORT = 29500
+GRACE_PERIOD_S = 3.0
+POLL_INTERVAL_S = 0.05
+EXIT_FAILURE = 1
+PROG = "ringcomm.launch"
+
+_stdout_lock = threading.Lock()
+_stderr_lock = threading.Lock()
+
+
+def _write(stream, lock: threading.Lock, data: bytes) -> None:
+    """Write bytes to a text stream (or its binary buffer) and flush, under lock."""
+    with lock:
+        try:
+            buffer = getattr(stream, "buffer", None)
+            if buffer is not None:
+                stream.flush()
+                buffer.write(data)
+                buffer.flush()
+            else:
+                stream.write(data.decode("utf-8", errors="replace"))
+                stream.flush()
+        except (OSError, ValueError):
+            pass  # our own output is gone (closed pipe); keep draining workers
+
+
+def log(message: str) -> None:
+    """Launcher messages: one line on stderr, prefixed with the program name."""
+    _write(sys.stderr, _stderr_lock, f"{PROG}: {message}\n".encode())
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MULTINODE_PORT
+    auto_port: bool = False  # port was picked here: pick a fresh one per restart
+    max_restarts: int = 0
+    timeout: float | None = None
+    prefix: bool = True
+    script: str | None = None
+    module: str | None = DEFAULT_MODULE
+    args: list[str] = field(default_factory=list)
+    secret: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+    def command(self) -> list[str]:
+        if self.module is not None:
+            return [sys.executable, "-u", "-m", self.module, *self.args]
+        return [sys.executable, "-u", self.script, *self.args]
+
+
+def free_port(addr: str) -> int:
+    """A TCP port that is free right now on ``addr`` (bind port 0, read it back)."""
+    for host in (addr, ""):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                return sock.getsockname()[1]
+        except OSError:
+            continue
+    raise RuntimeError(f"cannot find a free TCP port on {addr!r}")
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PROG}", allow_abbrev=False,
+        usage="%(prog)s [options] [script.py args... | -m module args...]",
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog="See the module docstring (pydoc ringcomm.launch) for details.")
+    add = parser.add_argument
+    actions = [
+        add("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc",
+            type=int, default=1, help="workers on this host (default 1)"),
+        add("--nnodes", type=int, default=1, help="hosts in the job (default 1)"),
+        add("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+            help="index of this host (default 0)"),
+        add("--master-addr", "--master_addr", dest="master_addr",
+            help="rank 0's host (default $MASTER_ADDR or 127.0.0.1)"),
+        add("--master-port", "--master_port", dest="master_port", type=int,
+            help="default $MASTER_PORT, a free port (1 node) or 29500"),
+        add("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
+            default=0, help="restart the whole group up to K times"),
+        add("--timeout", type=float, help="collective deadline (RINGCOMM_TIMEOUT)"),
+    ]
+    add("--no-prefix", "--no_prefix", dest="prefix", action="store_false",
+        help="do not prefix worker output with [rank R]:")
+    add("-m", dest="module", metavar="MODULE", help="run a module instead of a script")
+    takes_value = {opt for action in actions for opt in action.option_strings}
+    return parser, takes_value
+
+
+def _split_argv(argv: list[str], takes_value: set[str]) -> tuple[list[str], list[str]]:
+    """Split argv into launcher options and ``[script, args...]`` / ``[-m, module, args...]``.
+
+    Done by hand so that the worker's arguments are passed on exactly as given.
+    """
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1:]
+        if arg == "-m" or (arg.startswith("-m") and not arg.startswith("--")):
+            return argv[:i], argv[i:]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i], argv[i:]
+        i += 2 if arg in takes_value else 1
+    return argv, []
+
+
+def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
+    environ = os.environ if environ is None else environ
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, takes_value = _build_parser()
+    own, rest = _split_argv(argv, takes_value)
+    ns = parser.parse_args(own)
+    script, module, args = None, DEFAULT_MODULE, []
+    if rest and rest[0].startswith("-m"):
+        module = rest[0][2:] or (rest[1] if len(rest) > 1 else "")
+        args = rest[1:] if rest[0] != "-m" else rest[2:]
+        if not module:
+            parser.error("-m needs a module name")
+    elif rest:
+        script, module, args = rest[0], None, rest[1:]
+        if not os.path.exists(script):
+            parser.error(f"script not found: {script}")
+
+    if ns.nproc < 1 or ns.nnodes < 1:
+        parser.error("--nproc and --nnodes must be at least 1")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        parser.error(f"--node-rank must be in [0, {ns.nnodes - 1}]")
+    if ns.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
+    if ns.nnodes > 1 and ns.max_restarts > 0:
+        parser.error("--max-restarts is not supported with --nnodes > 1 yet "
+                     "(restarts cannot be coordinated across hosts)")
+    if ns.timeout is not None and ns.timeout <= 0:
+        parser.error("--timeout must be positive")
+
+    addr = ns.master_addr or environ.get("MASTER_ADDR") or "127.0.0.1"
+    port, auto_port = ns.master_port, False
+    if port is None and environ.get("MASTER_PORT"):
+        try:
+            port = int(environ["MASTER_PORT"])
+        except ValueError:
+            parser.error(f"MASTER_PORT is not a number: {environ['MASTER_PORT']!r}")
+    if port is None:
+        auto_port = ns.nnodes == 1
+        port = free_port(addr) if auto_port else DEFAULT_MULTINODE_PORT
+
+    secret = environ.get("RINGCOMM_SECRET", "")
+    if not secret and ns.nnodes == 1:
+        secret = secrets.token_hex(16)
+    elif not secret:
+        secret = hashlib.sha256(f"ringcomm:{addr}:{port}".encode()).hexdigest()[:32]
+        log("warning: RINGCOMM_SECRET is not set; using a secret derived from the "
+            "master address and port. Set RINGCOMM_SECRET (same value on every "
+            "node) to protect a multi-node job.")
+
+    return LaunchConfig(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
+                        master_addr=addr, master_port=port, auto_port=auto_port,
+                        max_restarts=ns.max_restarts, timeout=ns.timeout,
+                        prefix=ns.prefix, script=script, module=module, args=args,
+                        secret=secret)
+
+
+def worker_env(cfg: LaunchConfig, local_rank: int, restart_count: int = 0,
+               base_env=None) -> dict[str, str]:
+    """The full environment of one worker."""
+    env = dict(os.environ if base_env is None else base_env)
+    env.update({
+        "RANK": str(cfg.node_rank * cfg.nproc + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(cfg.world_size),
+        "LOCAL_WORLD_SIZE": str(cfg.nproc),
+        "GROUP_RANK": str(cfg.node_rank),
+        "MASTER_ADDR": cfg.master_addr,
+        "MASTER_PORT": str(cfg.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "RINGCOMM_RESTART_COUNT": str(restart_count),
+        "RINGCOMM_SECRET": cfg.secret,
+        "PYTHONUNBUFFERED": "1",
+    })
+    if cfg.nproc > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"
+    if cfg.timeout is not None:
+        env["RINGCOMM_TIMEOUT"] = f"{cfg.timeout:g}"
+    return env
+
+
+def _describe(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "unknown"
+    return f"killed by signal {-returncode} ({name})"
+
+
+def _has_live_member(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is not a zombie.
+
+    Orphaned grandchildren stay zombies until init reaps them (slowly in some
+    containers, never if we are PID 1); they must not hold up the grace wait.
+    Without a readable /proc we assume the group is alive.
+    """
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return True
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
+
+
+def _pump(pipe, stream_name: str, prefix: bytes) -> None:
+    """Copy one worker pipe line by line to our stdout/stderr, with a prefix."""
+    lock = _stdout_lock if stream_name == "stdout" else _stderr_lock
+    try:
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            _write(getattr(sys, stream_name), lock, prefix + line)
+    finally:
+        pipe.close()
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    rank: int
+    proc: subprocess.Popen
+    readers: list[threading.Thread] = field(default_factory=list)
+
+
+class WorkerGroup:
+    """One attempt: spawn ``nproc`` workers, watch them, stop them all."""
+
+    def __init__(self, cfg: LaunchConfig, restart_count: int = 0):
+        self.cfg = cfg
+        self.restart_count = restart_count
+        self.workers: list[Worker] = []
+
+    def spawn_one(self, local_rank: int) -> None:
+        cfg, pipe = self.cfg, (subprocess.PIPE if self.cfg.prefix else None)
+        env = worker_env(cfg, local_rank, self.restart_count)
+        proc = subprocess.Popen(cfg.command(), env=env, stdout=pipe, stderr=pipe,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        worker = Worker(local_rank, int(env["RANK"]), proc)
+        self.workers.append(worker)
+        if cfg.prefix:
+            tag = f"[rank {worker.rank}]: ".encode()
+            for pipe_obj, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+                thread = threading.Thread(target=_pump, args=(pipe_obj, name, tag),
+                                          name=f"{PROG}-{worker.rank}-{name}", daemon=True)
+                thread.start()
+                worker.readers.append(thread)
+
+    def run(self, interrupted) -> int:
+        """Spawn and watch until all succeed (0), one fails (1) or a signal
+        arrives (128 + signum, as returned by ``interrupted()``)."""
+        for local_rank in range(self.cfg.nproc):
+            if interrupted():
+                break
+            self.spawn_one(local_rank)
+        while True:
+            signum = interrupted()
+            if signum:
+                log(f"received {signal.Signals(signum).name}; stopping all workers")
+                self.stop()
+                return 128 + signum
+            codes = [(w, w.proc.poll()) for w in self.workers]
+            failed = [(w, rc) for w, rc in codes if rc not in (None, 0)]
+            if failed:
+                for w, rc in failed:
+                    log(f"rank {w.rank} (local rank {w.local_rank}, pid {w.proc.pid}) "
+                        f"failed: {_describe(rc)}")
+                self.stop()
+                return EXIT_FAILURE
+            if all(rc == 0 for _, rc in codes):
+                self.stop()  # sweeps anything the workers left running
+                return 0
+            time.sleep(POLL_INTERVAL_S)
+
+    def _group_alive(self, worker: Worker) -> bool:
+        worker.proc.poll()  # reap the leader if it exited, so it does not count
+        try:
+            os.killpg(worker.proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return _has_live_member(worker.proc.pid)
+
+    def _signal_group(self, worker: Worker, signum: int) -> None:
+        try:
+            os.killpg(worker.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, grace: float = GRACE_PERIOD_S) -> None:
+        """SIGTERM every live process group, SIGKILL after ``grace``, reap all."""
+        running = [w for w in self.workers if w.proc.poll() is None]
+        targets = [w for w in self.workers if self._group_alive(w)]
+        if running:
+            log(f"stopping rank(s) {', '.join(str(w.rank) for w in running)} "
+                f"(SIGTERM, SIGKILL after {grace:g}s)")
+        for w in targets:
+            self._signal_group(w, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while targets and time.monotonic() < deadline:
+            targets = [w for w in targets if self._group_alive(w)]
+            if targets:
+                time.sleep(POLL_INTERVAL_S)
+        if targets:
+            log(f"rank(s) {', '.join(str(w.rank) for w in targets)} still running "
+                f"after {grace:g}s; sending SIGKILL")
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every worker process group and reap; safe to call repeatedly."""
+        for w in self.workers:
+            if self._group_alive(w):
+                self._signal_group(w, signal.SIGKILL)
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log(f"rank {w.rank} (pid {w.proc.pid}) could not be reaped")
+        deadline = time.monotonic() + 2.0  # readers end once the pipes close
+        for w in self.workers:
+            for thread in w.readers:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class _SignalCatcher:
+    """Records the first SIGINT/SIGTERM; the watch loop acts on it."""
+
+    def __init__(self):
+        self.received = 0
+        self._previous = {}
+
+    def __call__(self) -> int:
+        return self.received
+
+    def _handle(self, signum, frame):
+        self.received = self.received or signum
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread: cannot install handlers
+                pass
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def run(cfg: LaunchConfig, interrupted=lambda: 0) -> int:
+    """Run the job with restarts; returns the launcher's exit code."""
+    if cfg.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        log("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the "
+            "host; set it yourself to tune performance")
+    for attempt in range(cfg.max_restarts + 1):
+        if attempt and cfg.auto_port:
+            cfg = dataclasses.replace(cfg, master_port=free_port(cfg.master_addr))
+        group = WorkerGroup(cfg, restart_count=attempt)
+        atexit.register(group.kill)
+        try:
+            code = group.run(interrupted)
+        finally:
+            group.kill()
+            atexit.unregister(group.kill)
+        if code != EXIT_FAILURE:
+            return code
+        if attempt < cfg.max_restarts:
+            log(f"restarting all workers (restart {attempt + 1} of {cfg.max_restarts})")
+    if cfg.max_restarts:
+        log(f"giving up after {cfg.max_restarts} restart(s)")
+    return EXIT_FAILURE
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    catcher = _SignalCatcher()
+    catcher.install()
+    try:
+        return run(cfg, catcher)
+    finally:
+        catcher.restore()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The view an algorithm gets of one collective call.
+
+A :class:`Link` translates group ranks to global ranks, stamps every message with the
+collective's identity (communicator, sequence number, step, segment) and signature, checks
+that what arrives has the dtype and length this rank expects, and counts payload bytes.
+
+>>> # rank 1 of a group of 2, in collective #7:
+>>> link.send(0, step=0, segment=0, array=x[:4]); y = link.recv(0, 0, 0, count=4)
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CollectiveMismatch
+from .transport.frame import Key
+
+
+@dataclass
+class Stats:
+    """Payload traffic of one communicator (headers are not counted)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    collectives: int = 0
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+
+class Link:
+    def __init__(self, transport, ranks, rank, comm_id, space, seq, sig, dtype,
+                 segment_bytes, deadline, what, stats):
+        self.transport = transport
+        self.ranks = ranks          # group rank -> global rank
+        self.rank = rank            # this process's group rank
+        self.size = len(ranks)
+        self.comm_id, self.space, self.seq, self.sig = comm_id, space, seq, sig
+        self.dtype = np.dtype(dtype)
+        self.segment_bytes = segment_bytes
+        self.deadline, self.what, self.stats = deadline, what, stats
+
+    def send(self, peer, step, segment, array):
+        """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
+        zero-copy: do not modify them before the collective ends."""
+        key = Key(self.comm_id, self.space, self.seq, step, segment)
+        self.transport.send(self.ranks[peer], key, self.sig, array.view(np.uint8))
+        self.stats.bytes_sent += array.nbytes
+        self.stats.messages_sent += 1
+
+    def recv(self, peer, step, segment, count):
+        """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
+        array over the received buffer."""
+        key = Key(self.comm_id, self.space, self.seq, step, segment)
+        payload = self.transport.recv(self.ranks[peer], key, self.sig, self.deadline, self.what)
+        nbytes = memoryview(payload).nbytes
+        if nbytes != count * self.dtype.itemsize:
+            raise CollectiveMismatch(
+                f"{self.what}: rank {self.ranks[peer]} sent {nbytes} bytes for step {step} "
+                f"segment {segment}; rank {self.ranks[self.rank]} expects "
+                f"{count} x {self.dtype.name} = {count * self.dtype.itemsize} bytes")
+        self.stats.bytes_received += nbytes
+        self.stats.messages_received += 1
+        return np.frombuffer(payload, self.dtype, count)

@@ -1,0 +1,64 @@
+"""Reduction operators and the element-wise functions that apply them.
+
+Every reduction in ringcomm goes through :func:`reduce_into` or :func:`reduced`, so the order
+of operands is fixed: ``acc = acc (op) incoming``. The final division of ``avg`` happens once,
+where a result is finished (:func:`finalize`), so every rank that copies that result holds
+identical bits.
+
+>>> acc = np.array([1.0, 5.0]); reduce_into(ReduceOp.MAX, acc, np.array([3.0, 2.0])); acc
+array([3., 5.])
+"""
+from enum import Enum
+
+import numpy as np
+
+
+class ReduceOp(str, Enum):
+    """How a collective combines the ranks' values. ``str`` members: ``"sum" == ReduceOp.SUM``."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+
+_UFUNC = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.PROD: np.multiply,
+}
+
+
+def parse_op(op, dtype):
+    """Return the :class:`ReduceOp` for ``op`` (a name or member), checked against ``dtype``.
+
+    Raises ``ValueError`` for an unknown op and ``TypeError`` for ``avg`` on integers.
+    """
+    try:
+        op = ReduceOp(op.lower() if isinstance(op, str) and not isinstance(op, ReduceOp) else op)
+    except ValueError:
+        names = ", ".join(repr(o.value) for o in ReduceOp)
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {names}") from None
+    if op is ReduceOp.AVG and not np.issubdtype(dtype, np.floating):
+        raise TypeError(f"op 'avg' needs a floating dtype, got {np.dtype(dtype).name}")
+    return op
+
+
+def reduce_into(op, acc, incoming):
+    """In place: ``acc = acc (op) incoming``; returns ``acc``."""
+    return _UFUNC[op](acc, incoming, out=acc)
+
+
+def reduced(op, a, b, out=None):
+    """``a (op) b`` into ``out``, or into a new array when ``out`` is None."""
+    return _UFUNC[op](a, b, out=out)
+
+
+def finalize(op, acc, n):
+    """In place: turn a finished sum over ``n`` ranks into the result of ``op`` (avg divides)."""
+    if op is ReduceOp.AVG and acc.size:
+        np.true_divide(acc, n, out=acc)
+    return acc

@@ -1,0 +1,90 @@
+"""The wire format: one fixed binary header, then the raw bytes of an array segment.
+
+A message is two ZeroMQ frames: a 56-byte header and a payload (possibly empty). Nothing is
+ever unpickled: the header is a ``struct`` and the payload is read as raw array bytes by a
+receiver that already knows the dtype and length it expects.
+
+Header fields (little-endian):
+
+====== ======= ===========================================================
+magic  4 bytes ``RCM1``; anything else is a foreign frame
+version u8     1
+kind   u8      DATA, BYE (the sender closed its communicator), ABORT
+space  u8      0 = collective, 1 = point-to-point
+src    u32     the sender's global rank
+comm   u32     communicator id (0 = world; groups get a hash)
+seq    u64     sequence number of the collective within its communicator
+step   u32     ring step (collectives) or tag (point-to-point)
+segment u32    segment index within the step
+nbytes u64     payload length; must equal the payload frame's length
+sig    16 B    the collective's signature (see ``ringcomm.signature``)
+====== ======= ===========================================================
+
+(comm, space, seq, step, segment) together with src identify a message uniquely, so a late
+or foreign message can never be taken for the one a rank is waiting for.
+"""
+import struct
+from enum import IntEnum
+from typing import NamedTuple
+
+from ..errors import FrameError
+
+MAGIC = b"RCM1"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBxIIQIIQ16s")
+MAX_ABORT_BYTES = 4096  # an abort's payload is a UTF-8 reason, never larger than this
+
+
+class Kind(IntEnum):
+    DATA = 1
+    BYE = 2
+    ABORT = 3
+
+
+class Key(NamedTuple):
+    """Where a message belongs: communicator, space, collective, step, segment."""
+
+    comm_id: int
+    space: int
+    seq: int
+    step: int
+    segment: int
+
+
+class Header(NamedTuple):
+    kind: Kind
+    src: int
+    key: Key
+    nbytes: int
+    sig: bytes
+
+
+def pack(kind, src, key, nbytes, sig):
+    """The header bytes of one message."""
+    return HEADER.pack(MAGIC, VERSION, kind, key.space, src, key.comm_id, key.seq,
+                       key.step, key.segment, nbytes, sig)
+
+
+def unpack(header, payload_len, world_size, self_rank):
+    """Parse and validate a header received from the network.
+
+    Raises :class:`FrameError` for anything malformed, truncated, oversized or foreign.
+    """
+    if len(header) != HEADER.size:
+        raise FrameError(f"header of {len(header)} bytes, expected {HEADER.size}")
+    magic, version, kind, space, src, comm, seq, step, seg, nbytes, sig = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise FrameError(f"foreign frame (magic {magic!r})")
+    if version != VERSION:
+        raise FrameError(f"wire version {version}, this rank speaks {VERSION}")
+    if kind not in Kind._value2member_map_:
+        raise FrameError(f"unknown message kind {kind}")
+    if space not in (0, 1):
+        raise FrameError(f"unknown space {space}")
+    if not 0 <= src < world_size or src == self_rank:
+        raise FrameError(f"frame claims to come from rank {src} (world size {world_size})")
+    if nbytes != payload_len:
+        raise FrameError(f"header says {nbytes} payload bytes, frame has {payload_len}")
+    if kind == Kind.ABORT and nbytes > MAX_ABORT_BYTES:
+        raise FrameError(f"abort reason of {nbytes} bytes exceeds {MAX_ABORT_BYTES}")
+    return Header(Kind(kind), src, Key(comm, space, seq, step, seg), nbytes, sig)

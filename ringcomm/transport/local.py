@@ -1,0 +1,51 @@
+"""An in-process transport: ranks are threads of one process, messages go through queues.
+
+For unit tests of the algorithms layer only; it goes through the same framing, mailbox and
+wait logic as the ZeroMQ transport, and copies every payload (as a socket would) so an
+algorithm that reuses a buffer too early is caught. ``hub.log`` records every message
+``(src, dst, key, nbytes)`` so tests can assert the *structure* of a schedule.
+
+>>> hub = LocalHub(2); t0, t1 = hub.transport(0), hub.transport(1)
+"""
+import queue
+import threading
+
+from . import frame
+from .base import Transport
+
+
+class LocalHub:
+    def __init__(self, world_size):
+        self.world_size = world_size
+        self.queues = [queue.Queue() for _ in range(world_size)]
+        self.log = []
+        self._lock = threading.Lock()
+
+    def transport(self, rank):
+        return LocalTransport(rank, self)
+
+
+class LocalTransport(Transport):
+    def __init__(self, rank, hub):
+        super().__init__(rank, hub.world_size)
+        self.hub = hub
+
+    def _post(self, dst, header, payload):
+        data = bytes(memoryview(payload).cast("B")) if not isinstance(payload, bytes) else payload
+        hdr = frame.HEADER.unpack(header)
+        with self.hub._lock:
+            self.hub.log.append((self.rank, dst, frame.Key(hdr[5], hdr[3], hdr[6], hdr[7], hdr[8]),
+                                 len(data), frame.Kind(hdr[2])))
+        self.hub.queues[dst].put((header, data))
+
+    def _pump(self, timeout):
+        try:
+            header, data = self.hub.queues[self.rank].get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            self.mailbox.put(frame.unpack(header, len(data), self.world_size, self.rank), data)
+            try:
+                header, data = self.hub.queues[self.rank].get_nowait()
+            except queue.Empty:
+                return

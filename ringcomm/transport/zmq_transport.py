@@ -1,0 +1,162 @@
+"""The ZeroMQ transport: one PULL socket in, one PUSH socket out per peer.
+
+Each rank binds one PULL socket (``ipc://`` for peers on its host, ``tcp://`` for the rest)
+and connects one PUSH socket to every peer at start-up, so a peer that dies is noticed even
+when this rank was not talking to it: a monitor on each PUSH socket reports the
+disconnection, and unless that peer said BYE first, every wait raises :class:`PeerLost`
+naming it within ``grace`` seconds.
+
+Sends never block (no high-water mark) and large payloads go out zero-copy: ZeroMQ reads the
+caller's array directly, so the caller must not modify it until :meth:`flush` returns, which
+the communicator calls at the end of every collective. Receives take ZeroMQ's buffer as it is
+(``copy=False``); the algorithm reduces or copies straight from it.
+
+All sockets belong to the one thread that calls this object (ZeroMQ sockets are not
+thread-safe); ``ringcomm.engine`` makes that the communication thread.
+"""
+import collections
+import logging
+import os
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ..errors import CommTimeout, FrameError, PeerLost
+from . import frame
+from .base import Transport
+from .frame import Kind
+
+log = logging.getLogger(__name__)
+
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class ZmqTransport(Transport):
+    """Messages between ranks over ZeroMQ.
+
+    ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r.
+    """
+
+    def __init__(self, rank, world_size, context, pull, endpoints, grace=1.0, close_wait=30.0,
+                 cleanup=()):
+        super().__init__(rank, world_size)
+        self._ctx, self._pull = context, pull
+        self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
+        self.grace, self.close_wait = grace, close_wait
+        self._poller = zmq.Poller()
+        self._poller.register(pull, zmq.POLLIN)
+        self._push, self._monitor_peer = {}, {}
+        for peer, endpoint in enumerate(endpoints):
+            if peer == rank:
+                continue
+            sock = context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+            sock.connect(endpoint)
+            self._push[peer] = sock
+            self._monitor_peer[monitor] = peer
+            self._poller.register(monitor, zmq.POLLIN)
+        self._in_flight = collections.deque()  # MessageTrackers of zero-copy sends
+        self._said_bye = set()
+        self._gone_since = {}  # peer -> time its connection dropped
+        self.rejected = 0
+
+    # -- sending -------------------------------------------------------------------------
+    def _post(self, dst, header, payload):
+        sock = self._push[dst]
+        if memoryview(payload).nbytes >= zmq.COPY_THRESHOLD:
+            tracker = sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False, track=True)
+            self._in_flight.append(tracker)
+        else:
+            sock.send_multipart([header, payload], zmq.NOBLOCK)
+
+    def flush(self, deadline, what):
+        while self._in_flight:
+            if self._in_flight[0].done:
+                self._in_flight.popleft()
+                continue
+            self._check_peers(what)
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"{what}: rank {self.rank} could not hand its data to the "
+                                  f"network before the deadline")
+            self._pump(0.005)
+
+    # -- receiving -----------------------------------------------------------------------
+    def _pump(self, timeout):
+        for sock, _ in self._poller.poll(int(timeout * 1000)):
+            if sock is self._pull:
+                self._drain()
+            else:
+                self._on_monitor(sock)
+
+    def _drain(self):
+        while True:
+            try:
+                parts = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                if len(parts) != 2:
+                    raise FrameError(f"message of {len(parts)} frames, expected 2")
+                header = frame.unpack(parts[0].bytes, len(parts[1]), self.world_size, self.rank)
+            except FrameError as exc:
+                self.rejected += 1
+                log.warning("rank %d rejected a frame: %s", self.rank, exc)
+                continue
+            if header.kind == Kind.BYE:
+                self._said_bye.add(header.src)
+            else:
+                self.mailbox.put(header, parts[1].buffer)
+
+    def _on_monitor(self, monitor):
+        event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+        peer = self._monitor_peer[monitor]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._gone_since.setdefault(peer, time.monotonic())
+        elif event == zmq.EVENT_CONNECTED:
+            self._gone_since.pop(peer, None)
+
+    def _check_peers(self, what, src=None):
+        if src in self._said_bye:
+            raise PeerLost(f"{what}: rank {src} closed its communicator before sending what "
+                           f"rank {self.rank} waits for", rank=src)
+        now = time.monotonic()
+        overdue = [p for p, t in self._gone_since.items()
+                   if p not in self._said_bye and now - t > self.grace]
+        if overdue:
+            self._drain()  # a BYE may still sit unread behind the disconnection
+            overdue = [p for p in overdue if p not in self._said_bye]
+        if overdue:
+            peer = overdue[0]
+            raise PeerLost(f"{what}: rank {self.rank} lost rank {peer} (its connection dropped "
+                           f"without a goodbye: the process died or was killed)", rank=peer)
+
+    # -- closing ---------------------------------------------------------------------------
+    def close(self):
+        """Say BYE to every peer, wait (bounded) until each said BYE or is gone, then close."""
+        deadline = time.monotonic() + self.close_wait
+        try:
+            self.flush(deadline, "close")
+        except Exception as exc:  # closing must not fail; the data is lost either way
+            log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
+        bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, 0, 0, 0, 0), 0, bytes(16))
+        for sock in self._push.values():
+            sock.send_multipart([bye, b""], zmq.NOBLOCK)
+        pending = lambda: [p for p in self._push if p not in self._said_bye and p not in self._gone_since]  # noqa: E731
+        while pending() and time.monotonic() < deadline:
+            self._pump(0.05)
+        linger = 1000 if pending() else 0
+        for sock in self._push.values():
+            sock.disable_monitor()
+            sock.close(linger=linger)
+        for monitor in self._monitor_peer:
+            monitor.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        for path in self._cleanup:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

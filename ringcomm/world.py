@@ -1,0 +1,37 @@
+"""Joining the job: :func:`init` builds the world communicator."""
+import atexit
+import dataclasses
+
+from . import env
+from .comm import Communicator
+from .engine import Engine
+from .transport.local import LocalHub
+
+
+def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_port=None,
+         segment_bytes=None):
+    """Join the job and return the world :class:`~ringcomm.comm.Communicator`.
+
+    Reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; or those of ``mpirun`` or
+    ``srun``, see :mod:`ringcomm.env`); keyword arguments override it. ``timeout`` (seconds,
+    default ``RINGCOMM_TIMEOUT`` or 300) bounds every wait. Returns after every rank joined
+    and a barrier passed. Without any launcher it returns a 1-rank world.
+    """
+    info = env.from_environ()
+    overrides = dict(rank=rank, world_size=world_size, master_addr=master_addr,
+                     master_port=master_port, timeout=timeout, segment_bytes=segment_bytes)
+    info = dataclasses.replace(info, **{k: v for k, v in overrides.items() if v is not None})
+    env.validate(info)
+    if info.world_size == 1:
+        engine = Engine(lambda: LocalHub(1).transport(0), name="ringcomm-comm")
+    else:
+        from .transport import connect
+        engine = Engine(lambda: connect(info), name=f"ringcomm-comm-{info.rank}")
+    comm = Communicator(engine, range(info.world_size), info.rank, 0, "world",
+                        info.timeout, info.segment_bytes, is_world=True)
+    comm.local_rank, comm.local_world_size = info.local_rank, info.local_world_size
+    atexit.register(comm.close)
+    if info.world_size > 1:
+        comm.barrier()
+    return comm

@@ -1,0 +1,340 @@
+"""Tests for ringcomm.launch with real worker processes.
+
+Worker scripts are tiny files in tmp_path: they only read env vars, print,
+sleep and exit (no ringcomm.comm), so these tests exercise the launcher alone.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from ringcomm import launch  # noqa: E402
+
+SCRUBBED = ("MASTER_ADDR", "MASTER_PORT", "RINGCOMM_SECRET", "RINGCOMM_TIMEOUT",
+            "OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+            "TORCHELASTIC_RESTART_COUNT", "RINGCOMM_RESTART_COUNT")
+LINE = re.compile(r"^\[rank (\d+)\]: (.*)$")
+
+
+def _env(extra_path=None, **overrides):
+    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
+    paths = [str(REPO)] + ([str(extra_path)] if extra_path else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(overrides)
+    return env
+
+
+def run_launcher(*args, timeout=30, extra_path=None, **env_overrides):
+    return subprocess.run([sys.executable, "-m", "ringcomm.launch", *map(str, args)],
+                          cwd=REPO, env=_env(extra_path, **env_overrides),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_script(tmp_path: Path, body: str, name: str = "worker.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def by_rank(output: str) -> dict[int, dict[str, str]]:
+    """Parse ``[rank R]: KEY=VALUE`` lines into {rank: {KEY: VALUE}}."""
+    result: dict[int, dict[str, str]] = {}
+    for line in output.splitlines():
+        match = LINE.match(line)
+        if match and "=" in match.group(2):
+            key, _, value = match.group(2).partition("=")
+            result.setdefault(int(match.group(1)), {})[key] = value
+    return result
+
+
+def pid_gone(pid: int) -> bool:
+    """True if the process does not exist (or is only a zombie nobody reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def wait_for_files(paths, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(p.exists() and p.read_text().strip() for p in paths):
+            return [int(p.read_text()) for p in paths]
+        time.sleep(0.05)
+    raise AssertionError(f"workers did not write {paths} in {timeout}s")
+
+
+PRINT_ENV = """
+import os
+for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "RINGCOMM_SECRET",
+            "TORCHELASTIC_RESTART_COUNT", "PYTHONUNBUFFERED", "RINGCOMM_TIMEOUT"):
+    print(f"{key}={os.environ.get(key, '<unset>')}")
+"""
+
+# Sets itself up (ignore SIGTERM, start a grandchild) and then writes its pid
+# to pid<RANK>; rank FAIL_RANK waits for all pid files, then fails as told by
+# FAIL_HOW (an exit code, or "kill"); everyone else sleeps 60 s.
+SLEEP_OR_FAIL = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+
+def publish(name, pid):
+    (d / f"{name}.tmp").write_text(str(pid))
+    (d / f"{name}.tmp").rename(d / name)
+
+d = Path(sys.argv[1]); rank = int(os.environ["RANK"]); world = int(os.environ["WORLD_SIZE"])
+how = os.environ.get("FAIL_HOW", "")
+if how and rank == int(os.environ["FAIL_RANK"]):
+    publish(f"pid{rank}", os.getpid())
+    deadline = time.time() + 15
+    while time.time() < deadline and not all((d / f"pid{r}").exists() for r in range(world)):
+        time.sleep(0.02)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(how))
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if os.environ.get("GRANDCHILD") and rank == 0:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    publish("grandchild", child.pid)
+publish(f"pid{rank}", os.getpid())
+print("sleeping", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_env_vars_for_three_workers(tmp_path):
+    script = write_script(tmp_path, PRINT_ENV)
+    res = run_launcher("--nproc", 3, "--timeout", 12.5, script)
+    assert res.returncode == 0, res.stderr
+    envs = by_rank(res.stdout)
+    assert sorted(envs) == [0, 1, 2]
+    secrets = {e["RINGCOMM_SECRET"] for e in envs.values()}
+    assert len(secrets) == 1 and re.fullmatch(r"[0-9a-f]{32}", secrets.pop())
+    ports = {e["MASTER_PORT"] for e in envs.values()}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    for rank, e in envs.items():
+        assert e["RANK"] == e["LOCAL_RANK"] == str(rank)
+        assert e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "3"
+        assert e["GROUP_RANK"] == "0" and e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+        assert e["OMP_NUM_THREADS"] == "1" and e["PYTHONUNBUFFERED"] == "1"
+        assert e["RINGCOMM_TIMEOUT"] == "12.5"
+    assert "OMP_NUM_THREADS" in res.stderr  # the one-line note
+
+
+@pytest.mark.timeout(60)
+def test_user_settings_are_passed_through(tmp_path):
+    script = write_script(tmp_path, PRINT_ENV)
+    res = run_launcher("--nproc_per_node=2", "--master_addr", "localhost", script,
+                       MASTER_PORT="23456", RINGCOMM_SECRET="s3cret", OMP_NUM_THREADS="4")
+    assert res.returncode == 0, res.stderr
+    envs = by_rank(res.stdout)
+    assert sorted(envs) == [0, 1]
+    for e in envs.values():
+        assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("localhost", "23456")
+        assert e["RINGCOMM_SECRET"] == "s3cret" and e["OMP_NUM_THREADS"] == "4"
+        assert e["RINGCOMM_TIMEOUT"] == "<unset>"
+
+
+@pytest.mark.timeout(60)
+def test_multinode_ranks(tmp_path):
+    script = write_script(tmp_path, PRINT_ENV)
+    res = run_launcher("--nnodes", 2, "--node-rank", 1, "--nproc", 2, script)
+    assert res.returncode == 0, res.stderr
+    envs = by_rank(res.stdout)
+    assert sorted(envs) == [2, 3]
+    assert [envs[r]["LOCAL_RANK"] for r in (2, 3)] == ["0", "1"]
+    for e in envs.values():
+        assert e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "2"
+        assert e["GROUP_RANK"] == "1" and e["MASTER_PORT"] == "29500"
+    assert "RINGCOMM_SECRET" in res.stderr  # warning: no secret for a multi-node job
+    assert len({e["RINGCOMM_SECRET"] for e in envs.values()}) == 1
+
+
+@pytest.mark.timeout(60)
+def test_script_args_pass_through(tmp_path):
+    script = write_script(tmp_path, "import sys\nprint('ARGS=' + repr(sys.argv[1:]))\n")
+    res = run_launcher("--nproc", 2, script, "--lr", "0.1", "--foo", "--nproc", "7", "--", "-m", "x")
+    assert res.returncode == 0, res.stderr
+    expected = repr(["--lr", "0.1", "--foo", "--nproc", "7", "--", "-m", "x"])
+    assert {r: e["ARGS"] for r, e in by_rank(res.stdout).items()} == {0: expected, 1: expected}
+
+
+@pytest.mark.timeout(60)
+def test_module_with_args(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "job.py").write_text("import os, sys\nprint(f'MOD={os.environ[\"RANK\"]}:{sys.argv[1:]}')\n")
+    res = run_launcher("--nproc", 2, "-m", "mypkg.job", "--lr", "0.1", extra_path=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert by_rank(res.stdout) == {r: {"MOD": f"{r}:['--lr', '0.1']"} for r in (0, 1)}
+
+
+@pytest.mark.timeout(60)
+def test_all_succeed_exit_zero(tmp_path):
+    script = write_script(tmp_path, "print('done')\n")
+    res = run_launcher("--nproc", 2, script)
+    assert res.returncode == 0, res.stderr
+    assert "failed" not in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_failure_stops_the_others(tmp_path):
+    script = write_script(tmp_path, SLEEP_OR_FAIL)
+    start = time.monotonic()
+    res = run_launcher("--nproc", 3, script, tmp_path, FAIL_RANK="1", FAIL_HOW="3", GRANDCHILD="1")
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1, res.stderr
+    assert elapsed < 15, elapsed
+    assert re.search(r"rank 1 \(local rank 1, pid \d+\) failed: exit code 3", res.stderr), res.stderr
+    assert re.search(r"stopping rank\(s\) 0, 2", res.stderr), res.stderr
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(3)]
+    for pid in pids:  # direct workers were reaped by the launcher
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    grandchild = int((tmp_path / "grandchild").read_text())
+    deadline = time.monotonic() + 5  # killed with its process group; reaped by init
+    while not pid_gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pid_gone(grandchild)
+
+
+@pytest.mark.timeout(60)
+def test_worker_killed_by_signal(tmp_path):
+    script = write_script(tmp_path, SLEEP_OR_FAIL)
+    res = run_launcher("--nproc", 2, script, tmp_path, FAIL_RANK="0", FAIL_HOW="kill")
+    assert res.returncode == 1, res.stderr
+    assert re.search(r"rank 0 \(local rank 0, pid \d+\) failed: killed by signal 9 \(SIGKILL\)",
+                     res.stderr), res.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid1").read_text()), 0)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_ignored_gets_sigkill_after_grace(tmp_path):
+    script = write_script(tmp_path, SLEEP_OR_FAIL)
+    start = time.monotonic()
+    res = run_launcher("--nproc", 2, script, tmp_path, FAIL_RANK="1", FAIL_HOW="2", IGNORE_TERM="1")
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1, res.stderr
+    assert launch.GRACE_PERIOD_S <= elapsed < 15, elapsed
+    assert "sending SIGKILL" in res.stderr, res.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid0").read_text()), 0)
+
+
+FLAKY = """
+import os, sys
+n = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+assert os.environ["RINGCOMM_RESTART_COUNT"] == str(n)
+print(f"ATTEMPT={n}")
+sys.exit(1 if n < 2 and os.environ["RANK"] == "0" else 0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_restarts_until_success(tmp_path):
+    script = write_script(tmp_path, FLAKY)
+    res = run_launcher("--nproc", 2, "--max-restarts", 2, script)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("restarting all workers") == 2
+    assert "[rank 0]: ATTEMPT=2" in res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_restarts_exhausted(tmp_path):
+    script = write_script(tmp_path, FLAKY)
+    res = run_launcher("--nproc", 2, "--max_restarts", 1, script)
+    assert res.returncode == 1, res.stderr
+    assert "[rank 0]: ATTEMPT=1" in res.stdout and "ATTEMPT=2" not in res.stdout
+    assert "giving up" in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_multinode_restarts_rejected(tmp_path):
+    script = write_script(tmp_path, "print('never')\n")
+    res = run_launcher("--nnodes", 2, "--max-restarts", 1, script)
+    assert res.returncode != 0 and "never" not in res.stdout
+    assert "not supported" in res.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_launcher_stops_workers(tmp_path, signum, code):
+    script = write_script(tmp_path, SLEEP_OR_FAIL)
+    proc = subprocess.Popen([sys.executable, "-m", "ringcomm.launch", "--nproc", "2",
+                             str(script), str(tmp_path)], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = wait_for_files([tmp_path / "pid0", tmp_path / "pid1"])
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, err
+    assert signal.Signals(signum).name in err
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.timeout(60)
+def test_output_prefix_and_partial_line(tmp_path):
+    script = write_script(tmp_path, """
+        import sys
+        print("hello")
+        print("warn", file=sys.stderr)
+        sys.stdout.write("tail without newline")
+    """)
+    res = run_launcher("--nproc", 2, script)
+    assert res.returncode == 0, res.stderr
+    for r in (0, 1):
+        assert f"[rank {r}]: hello\n" in res.stdout
+        assert f"[rank {r}]: tail without newline\n" in res.stdout
+        assert f"[rank {r}]: warn\n" in res.stderr
+    assert all(LINE.match(line) for line in res.stdout.splitlines())
+
+    res = run_launcher("--no-prefix", script)
+    assert res.returncode == 0 and res.stdout == "hello\ntail without newline"
+
+
+def test_parse_defaults_to_selfcheck(monkeypatch):
+    for key in SCRUBBED:
+        monkeypatch.delenv(key, raising=False)
+    cfg = launch.parse_args(["--nproc", "2"])
+    assert cfg.module == launch.DEFAULT_MODULE == "ringcomm.selfcheck"
+    assert cfg.script is None and cfg.args == [] and cfg.auto_port
+    assert cfg.command()[-2:] == ["-m", "ringcomm.selfcheck"]
+    env = launch.worker_env(cfg, 1, restart_count=3, base_env={})
+    assert env["RANK"] == "1" and env["RINGCOMM_RESTART_COUNT"] == "3"
+
+
+def test_multinode_secret_is_deterministic(monkeypatch):
+    for key in SCRUBBED:
+        monkeypatch.delenv(key, raising=False)
+    argv = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "1234"]
+    a, b = launch.parse_args(argv), launch.parse_args(argv)
+    assert a.secret == b.secret and len(a.secret) == 32
+    assert launch.parse_args(argv[:-1] + ["1235"]).secret != a.secret
