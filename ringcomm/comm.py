@@ -28,6 +28,7 @@ import numpy as np
 from . import signature
 from .algorithms import ps, rd, ring
 from .algorithms.chunks import segments
+from .engine import Deferred
 from .errors import CollectiveMismatch, CommError, SignatureMismatch
 from .link import Link, Stats
 from .ops import parse_op
@@ -177,8 +178,22 @@ class Communicator:
         self._check_peer(src, "src", tag)
 
         def body(link):
-            for j, sl in enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)):
-                flat[sl] = link.recv(src, tag, j, sl.stop - sl.start)
+            todo = list(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
+
+            def progress():
+                while todo:
+                    j, sl = todo[0]
+                    try:
+                        data = link.recv(src, tag, j, sl.stop - sl.start, wait=False)
+                    except SignatureMismatch as exc:
+                        raise self._mismatch(link.what, exc) from None
+                    if data is None:
+                        return False
+                    flat[sl] = data
+                    todo.pop(0)
+                link.stats.collectives += 1
+                return True
+            return Deferred(progress, x)
         return self._submit("send", body, x.dtype, x.size, None, None, 0, async_op, x,
                             p2p=("from", src, tag))
 
@@ -295,13 +310,15 @@ class Communicator:
             def run(transport):
                 link = Link(transport, self.ranks, self.rank, self.comm_id, space, seq, sig, dtype,
                             self.segment_bytes, time.monotonic() + self.timeout, what, self._stats)
+                failed = True
                 try:
-                    body(link)
+                    deferred = body(link)
+                    if deferred is not None:
+                        return deferred  # a receive: it completes itself, sends nothing
                     transport.flush(link.deadline, what)
+                    failed = False
                 except SignatureMismatch as exc:
-                    error = CollectiveMismatch(
-                        f"{what}: rank {self.ranks[self.rank]} called {signature.describe(exc.ours)} "
-                        f"but rank {exc.src} called {signature.describe(exc.theirs)}")
+                    error = self._mismatch(what, exc)
                     self._abort(transport, space, seq, error)
                     raise error from None
                 except Exception as exc:
@@ -310,12 +327,17 @@ class Communicator:
                     raise
                 finally:
                     if space == 0:
-                        transport.retire(self.comm_id, seq)
+                        transport.retire(self.comm_id, seq, failed)
                 self._stats.collectives += 1
                 return result
 
             work = engine.submit(run, what)
         return work if async_op else work.wait()
+
+    def _mismatch(self, what, exc):
+        return CollectiveMismatch(
+            f"{what}: rank {self.ranks[self.rank]} called {signature.describe(exc.ours)} "
+            f"but rank {exc.src} called {signature.describe(exc.theirs)}")
 
     def _abort(self, transport, space, seq, exc):
         if space != 0:

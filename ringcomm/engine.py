@@ -13,9 +13,21 @@ import logging
 import queue
 import threading
 
-from .errors import CommTimeout
+from .errors import CommError, CommTimeout
 
 log = logging.getLogger(__name__)
+
+
+class Deferred:
+    """An operation that waits for messages without holding the communication thread.
+
+    Returned by a work function that would otherwise block (a point-to-point receive); the
+    engine calls ``progress()`` between other work and while idle until it returns True.
+    Without this, ``recv(async_op=True)`` posted before a matching ``send`` would deadlock.
+    """
+
+    def __init__(self, progress, result=None):
+        self.progress, self.result = progress, result
 
 
 class Work:
@@ -27,13 +39,34 @@ class Work:
         self._result = self._error = None
 
     def _run(self, transport):
+        """Run the work function; False if it deferred its completion."""
         try:
-            self._result = self._fn(transport)
+            outcome = self._fn(transport)
+            if isinstance(outcome, Deferred):
+                self._deferred = outcome
+                return False
+            self._result = outcome
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
-        finally:
-            self._fn = None
-            self._done.set()
+        self._fn = None
+        self._done.set()
+        return True
+
+    def _advance(self):
+        """Progress a deferred operation; True once it is finished."""
+        try:
+            if not self._deferred.progress():
+                return False
+            self._result = self._deferred.result
+        except BaseException as exc:  # noqa: BLE001
+            self._error = exc
+        self._fn = self._deferred = None
+        self._done.set()
+        return True
+
+    def _fail(self, exc):
+        self._error = exc
+        self._done.set()
 
     def is_completed(self):
         """True once the operation finished, successfully or not."""
@@ -53,6 +86,9 @@ class Work:
 
     def exception(self):
         return self._error
+
+
+_IDLE = object()
 
 
 class Engine:
@@ -76,11 +112,23 @@ class Engine:
         ready._run(None)
         if ready.exception() is not None:
             return
+        deferred = []
         while True:
-            work = self._queue.get()
+            if deferred:
+                try:
+                    work = self._queue.get_nowait()
+                except queue.Empty:
+                    self.transport.pump(0.001)
+                    work = _IDLE
+            else:
+                work = self._queue.get()
             if work is None:
                 break
-            work._run(self.transport)
+            if work is not _IDLE and not work._run(self.transport):
+                deferred.append(work)
+            deferred = [w for w in deferred if not w._advance()]
+        for work in deferred:
+            work._fail(CommError(f"{work.what}: communicator closed before it completed"))
         try:
             self.transport.close()
         except Exception:  # noqa: BLE001 - nothing left to report to

@@ -49,11 +49,14 @@ class Link:
         self.stats.bytes_sent += array.nbytes
         self.stats.messages_sent += 1
 
-    def recv(self, peer, step, segment, count):
+    def recv(self, peer, step, segment, count, wait=True):
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
-        array over the received buffer."""
+        array over the received buffer. With ``wait=False``: ``None`` if not arrived yet."""
         key = Key(self.comm_id, self.space, self.seq, step, segment)
-        payload = self.transport.recv(self.ranks[peer], key, self.sig, self.deadline, self.what)
+        get = self.transport.recv if wait else self.transport.poll
+        payload = get(self.ranks[peer], key, self.sig, self.deadline, self.what)
+        if payload is None:
+            return None
         nbytes = memoryview(payload).nbytes
         if nbytes != count * self.dtype.itemsize:
             raise CollectiveMismatch(

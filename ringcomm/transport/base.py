@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from ..errors import CommTimeout
 from . import frame
 from .frame import Kind
-from .mailbox import Mailbox, abort_code
+from .mailbox import ABORT_SIG, NO_RANK, Mailbox, abort_code
 
 
 class Transport(ABC):
@@ -45,6 +45,19 @@ class Transport(ABC):
         nbytes = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
         self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload)
 
+    def pump(self, timeout):
+        """Let arrived messages in (used by the engine while deferred work waits)."""
+        self._pump(timeout)
+
+    def poll(self, src, key, sig, deadline, what):
+        """Like :meth:`recv` but never waits: the payload, or ``None`` if not here yet."""
+        payload = self.mailbox.take(src, key, sig)
+        if payload is None:
+            self._check_peers(what, src)
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"{what}: timed out waiting for rank {src}; rank {self.rank} gave up")
+        return payload
+
     def recv(self, src, key, sig, deadline, what):
         """The payload of message ``key`` from global rank ``src`` (a buffer), waiting
         until ``deadline`` (``time.monotonic()``) at most."""
@@ -63,11 +76,12 @@ class Transport(ABC):
     def abort(self, peers, comm_id, seq, exc):
         """Tell ``peers`` (global ranks) that collective ``seq`` failed here, and why."""
         reason = str(exc).encode("utf-8")[: frame.MAX_ABORT_BYTES]
-        sig = bytes([abort_code(exc)]) + bytes(15)
+        lost = getattr(exc, "rank", None)
+        sig = ABORT_SIG.pack(abort_code(exc), NO_RANK if lost is None else lost)
         key = frame.Key(comm_id, 0, seq, 0, 0)
         for dst in peers:
             if dst != self.rank:
                 self._post(dst, frame.pack(Kind.ABORT, self.rank, key, len(reason), sig), reason)
 
-    def retire(self, comm_id, seq):
-        self.mailbox.retire(comm_id, seq)
+    def retire(self, comm_id, seq, failed=False):
+        self.mailbox.retire(comm_id, seq, failed)

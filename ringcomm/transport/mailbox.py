@@ -10,6 +10,7 @@ A collective that finished is *retired*: late messages for it (from a collective
 half-way) are dropped, never delivered to a later collective.
 """
 import logging
+import struct
 from collections import defaultdict
 
 from ..errors import CollectiveMismatch, CommError, CommTimeout, PeerLost, SignatureMismatch
@@ -17,6 +18,8 @@ from .frame import Kind
 
 log = logging.getLogger(__name__)
 
+ABORT_SIG = struct.Struct("<BI11x")  # an abort's signature field: error class, lost rank
+NO_RANK = 0xFFFFFFFF
 ABORT_CLASSES = {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError}
 ABORT_CODES = {cls: code for code, cls in ABORT_CLASSES.items()}
 
@@ -35,15 +38,33 @@ class Mailbox:
         self._signatures = defaultdict(dict)  # (comm, seq) -> {src: sig}
         self._aborts = {}                     # (comm, seq) -> exception to raise
         self._retired = {}                    # comm -> highest retired seq
+        self._poison = {}                     # comm -> error for its next collective
+        self._failed = set()                  # (comm, seq) of collectives that failed here
         self.dropped = 0
 
     def put(self, header, payload):
         """File one validated message."""
         key = header.key
         if header.kind == Kind.ABORT:
-            code = header.sig[0] if header.sig else 4
+            code, lost = ABORT_SIG.unpack(header.sig)
             reason = bytes(payload).decode("utf-8", "replace")
-            exc = ABORT_CLASSES.get(code, CommError)(f"rank {header.src} aborted: {reason}")
+            base = ABORT_CLASSES.get(code, CommError)
+
+            def cls(message):
+                exc = base(message)
+                if lost != NO_RANK:
+                    exc.rank = lost
+                return exc
+            if (key.comm_id, key.seq) in self._failed:
+                return  # this rank failed that collective too; nothing more to learn
+            if key.seq <= self._retired.get(key.comm_id, -1):
+                # this rank already finished that collective without noticing (it only
+                # sent); its next collective on the communicator fails instead, and is
+                # itself aborted on every rank, so no rank goes on as if nothing happened
+                self._poison[key.comm_id] = cls(
+                    f"collective #{key.seq} on this communicator failed on rank {header.src}: {reason}")
+                return
+            exc = cls(f"rank {header.src} aborted: {reason}")
             exc.remote = True
             self._aborts[(key.comm_id, key.seq)] = exc
             return
@@ -66,6 +87,8 @@ class Mailbox:
         when any peer announced a different signature for it.
         """
         if key.space == 0:
+            if key.comm_id in self._poison:
+                raise self._poison.pop(key.comm_id)
             abort = self._aborts.get((key.comm_id, key.seq))
             if abort is not None:
                 raise abort
@@ -79,9 +102,11 @@ class Mailbox:
             raise SignatureMismatch(src, item[0], sig)
         return item[1]
 
-    def retire(self, comm_id, seq):
+    def retire(self, comm_id, seq, failed=False):
         """Collective ``seq`` of ``comm_id`` is over: forget it and drop its stragglers."""
         self._retired[comm_id] = max(seq, self._retired.get(comm_id, -1))
+        if failed:
+            self._failed.add((comm_id, seq))
         self._signatures.pop((comm_id, seq), None)
         self._aborts.pop((comm_id, seq), None)
         stale = [i for i in self._messages if i[1] == comm_id and i[2] == 0 and i[3] <= seq]

@@ -1,0 +1,143 @@
+"""Asynchronous work, many collectives back to back, point-to-point, and subgroups."""
+import time
+
+import numpy as np
+import pytest
+
+from ringcomm import CommTimeout
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def several_in_flight(comm):
+    n, r = comm.world_size, comm.rank
+    a = np.full(300_000, r, np.float32)
+    b = np.arange(10, dtype=np.int64) * (r + 1)
+    c = np.full(7, float(r))
+    g = np.empty(3 * n, np.int32)
+    works = [comm.all_reduce(a, async_op=True),
+             comm.all_reduce(b, op="max", async_op=True),
+             comm.broadcast(c, root=n - 1, async_op=True),
+             comm.all_gather(g, np.full(3, r, np.int32), async_op=True)]
+    for w in reversed(works):  # waiting out of order is fine; they complete in order
+        w.wait()
+    assert all(w.is_completed() for w in works)
+    return a[:3], b, c, g
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_several_async_in_flight(pools, n):
+    for a, b, c, g in pools(n).run(several_in_flight):
+        assert np.all(a == sum(range(n)))
+        assert np.array_equal(b, np.arange(10) * n)
+        assert np.all(c == n - 1)
+        assert np.array_equal(g, np.repeat(np.arange(n), 3))
+
+
+def tiny_back_to_back(comm, count):
+    n, r = comm.world_size, comm.rank
+    total = 0
+    for i in range(count):
+        x = np.array([r + i], np.int64)
+        if i % 3 == 0:
+            comm.all_reduce(x, algorithm=("ring", "ps", "auto")[i % 9 // 3])
+            assert x[0] == sum(range(n)) + n * i, (i, x)
+        elif i % 3 == 1:
+            comm.broadcast(x, root=i % n)
+            assert x[0] == i % n + i
+        else:
+            comm.barrier()
+        total += 1
+    return total, comm.stats()["collectives"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_300_tiny_collectives(pools, n):
+    for done, counted in pools(n).run(tiny_back_to_back, 330):
+        assert done == 330 and counted >= 330
+
+
+def async_overlaps_compute(comm):
+    x = np.full(2_000_000, comm.rank + 1.0, np.float32)
+    work = comm.all_reduce(x, async_op=True)
+    busy = float(np.sum(np.sqrt(np.arange(1_000_000.0))))  # the caller keeps computing
+    work.wait()
+    return busy > 0 and bool(np.all(x == sum(range(1, comm.world_size + 1))))
+
+
+def test_async_with_compute(pools):
+    assert pools(2).run(async_overlaps_compute) == [True, True]
+
+
+def ring_exchange(comm):
+    """Each rank sends to the right and receives from the left, several tags, large + small."""
+    n, r = comm.world_size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    big_in = np.empty(400_000, np.float64)
+    small_in = np.empty(3, np.int32)
+    recv_big = comm.recv(big_in, left, tag=7, async_op=True)     # posted before the send
+    comm.send(np.full(3, r, np.int32), right, tag=1)
+    comm.send(np.arange(400_000, dtype=np.float64) + r, right, tag=7)
+    comm.recv(small_in, left, tag=1)
+    recv_big.wait()
+    return left, small_in, big_in[:2]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_send_recv(pools, n):
+    for left, small, big in pools(n).run(ring_exchange):
+        assert np.all(small == left) and list(big) == [left, left + 1]
+
+
+def wait_with_timeout(comm):
+    """wait(timeout) gives up on a slow peer without breaking the communicator."""
+    if comm.rank == 0:
+        x = np.zeros(4)
+        work = comm.recv(x, 1, async_op=True)
+        try:
+            work.wait(timeout=0.2)
+            early = "no timeout"
+        except CommTimeout as exc:
+            early = str(exc)
+        work.wait()
+        return early, x.tolist()
+    time.sleep(0.6)
+    comm.send(np.ones(4), 0)
+    return None
+
+
+def test_wait_timeout(pools):
+    early, x = pools(2).run(wait_with_timeout)[0]
+    assert "still running" in early and x == [1.0] * 4
+
+
+def groups(comm):
+    n, r = comm.world_size, comm.rank
+    evens = comm.new_group([i for i in range(n) if i % 2 == 0])
+    backwards = comm.new_group(list(reversed(range(n))))
+    result = {}
+    if evens is not None:
+        x = np.array([float(r)])
+        evens.all_reduce(x)
+        result["evens"] = (evens.rank, evens.world_size, x[0], evens.stats()["bytes_sent"] > 0)
+        g = np.empty(evens.world_size, np.int64)
+        evens.all_gather(g, np.array([r], np.int64))
+        result["evens_gather"] = g.tolist()
+    else:
+        result["evens"] = None
+    y = np.array([r], np.int64)
+    backwards.broadcast(y, root=0)  # group rank 0 is world rank n−1
+    result["backwards"] = (backwards.rank, y[0])
+    return result
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_new_group(pools, n):
+    evens = [i for i in range(n) if i % 2 == 0]
+    for r, res in enumerate(pools(n).run(groups)):
+        if r in evens:
+            assert res["evens"] == (evens.index(r), len(evens), float(sum(evens)), True)
+            assert res["evens_gather"] == evens
+        else:
+            assert res["evens"] is None
+        assert res["backwards"] == (n - 1 - r, n - 1)

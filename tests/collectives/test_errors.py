@@ -1,0 +1,192 @@
+"""Bad input gets a clear error and loses nothing; disagreeing ranks, dead peers and
+deadlines end in a CommError on every rank, never in a hang."""
+import textwrap
+
+import numpy as np
+import pytest
+
+from harness import spawn_job
+from ringcomm import CollectiveMismatch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def misuse(comm):
+    """Each call is wrong in one way; each must raise before sending anything."""
+    n = comm.world_size
+    x = np.ones(8, np.float32)
+    shared = np.ones(8 * n, np.float32)
+    calls = {
+        "out too small": lambda: comm.reduce_scatter(np.empty(1, np.float32), np.ones(8 * n + 1, np.float32)),
+        "gather size": lambda: comm.all_gather(np.empty(n * 8 + 1, np.float32), x),
+        "dtype pair": lambda: comm.all_gather(np.empty(n * 8, np.float64), x),
+        "unsupported dtype": lambda: comm.all_reduce(np.ones(3, np.complex64)),
+        "bool dtype": lambda: comm.all_reduce(np.ones(3, bool)),
+        "not an array": lambda: comm.all_reduce([1.0, 2.0]),
+        "non-contiguous": lambda: comm.all_reduce(np.ones((4, 4), np.float32)[:, 1]),
+        "read-only": lambda: comm.all_reduce(np.frombuffer(b"\0" * 16, np.float32)),
+        "root too big": lambda: comm.broadcast(x, root=n),
+        "root negative": lambda: comm.reduce(x, root=-1),
+        "unknown op": lambda: comm.all_reduce(x, op="xor"),
+        "avg on int": lambda: comm.all_reduce(np.ones(3, np.int32), op="avg"),
+        "unknown algorithm": lambda: comm.all_reduce(x, algorithm="tree"),
+        "rd on 3 ranks": lambda: comm.all_reduce(x, algorithm="rd") if n == 3 else (_ for _ in ()).throw(ValueError()),
+        "send to self": lambda: comm.send(x, comm.rank),
+        "bad tag": lambda: comm.send(x, (comm.rank + 1) % n, tag=-1),
+        "overlap": lambda: comm.all_gather(shared, shared[:8]),
+        "bad group": lambda: comm.new_group([0, 0]),
+    }
+    before = comm.stats()
+    raised = {}
+    for name, call in calls.items():
+        try:
+            call()
+            raised[name] = None
+        except (ValueError, TypeError) as exc:
+            raised[name] = type(exc).__name__
+    unchanged = comm.stats() == before
+    y = np.full(5, comm.rank, np.float32)
+    comm.all_reduce(y)
+    return raised, unchanged, float(y[0])
+
+
+@pytest.mark.parametrize("n", [3])
+def test_local_misuse_raises_before_sending(pools, n):
+    for raised, unchanged, y in pools(n).run(misuse):
+        assert all(raised.values()), f"no error for: {[k for k, v in raised.items() if v is None]}"
+        assert raised["unsupported dtype"] == "TypeError" and raised["avg on int"] == "TypeError"
+        assert raised["out too small"] == "ValueError" and raised["root too big"] == "ValueError"
+        assert unchanged, "a rejected call sent or counted something"
+        assert y == sum(range(n)), "the communicator is unusable after misuse"
+
+
+def disagree(comm, how):
+    """Rank 1 calls something different from everyone else; returns what each rank raised.
+
+    A rank that only sends in that collective (a broadcast root) cannot notice at once; it
+    learns at its next collective on the communicator, which then fails on every rank.
+    """
+    odd = comm.rank == 1
+    x = np.ones(10, np.float32)
+    errors = []
+    try:
+        if how == "count":
+            comm.all_reduce(np.ones(11 if odd else 10, np.float32), algorithm="ring")
+        elif how == "dtype":
+            comm.all_reduce(np.ones(10, np.float64 if odd else np.float32), algorithm="ring")
+        elif how == "op":
+            comm.all_reduce(x, op="max" if odd else "sum", algorithm="ring")
+        elif how == "collective":
+            comm.broadcast(x, algorithm="ring") if odd else comm.all_reduce(x, algorithm="ring")
+        elif how == "root":
+            comm.broadcast(x, root=1 if odd else 0, algorithm="ring")
+        elif how == "algorithm":
+            comm.all_reduce(x, algorithm="ps" if odd else "ring")
+    except CollectiveMismatch as exc:
+        errors.append(str(exc))
+    for _ in range(2):  # the communicator works again, at the latest on the second try
+        y = np.full(3, comm.rank, np.int64)
+        try:
+            comm.all_reduce(y)
+            break
+        except CollectiveMismatch as exc:
+            errors.append(str(exc))
+    return errors, int(y[0])
+
+
+@pytest.mark.parametrize("how", ["count", "dtype", "op", "collective", "root", "algorithm"])
+def test_mismatch_raises_on_every_rank(pools, how):
+    n = 3
+    results = pools(n).run(disagree, how)
+    for rank, (errors, y) in enumerate(results):
+        assert errors, f"rank {rank} did not notice the {how} mismatch"
+        assert y == sum(range(n))
+    detailed = [e for errors, _ in results for e in errors if "but rank" in e]
+    assert detailed, "no rank described both sides"
+    assert any(("count=11" in o) if how == "count" else ("float64" in o) if how == "dtype"
+               else ("max" in o) if how == "op" else ("broadcast" in o) if how == "collective"
+               else ("root=1" in o) if how == "root" else ("ps" in o) for o in detailed)
+
+
+def p2p_mismatch(comm):
+    try:
+        if comm.rank == 0:
+            comm.send(np.ones(4, np.float32), 1)
+        else:
+            comm.recv(np.ones(5, np.float32), 0)
+        return "no error"
+    except CollectiveMismatch as exc:
+        return str(exc)
+
+
+def test_send_recv_size_mismatch(pools):
+    assert "count=4" in pools(2).run(p2p_mismatch)[1]
+
+
+DIE = textwrap.dedent("""
+    import os, signal, time, numpy as np, ringcomm
+    comm = ringcomm.init()
+    x = np.ones(2_000_000, np.float32)
+    comm.all_reduce(x)
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = time.monotonic()
+    try:
+        for _ in range(1000):
+            comm.all_reduce(x, algorithm="{algorithm}")
+        print("no error")
+    except ringcomm.PeerLost as exc:
+        print(f"PeerLost rank={{exc.rank}} after={{time.monotonic() - t:.2f}} {{exc}}")
+""")
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "ps"])
+def test_dead_peer_is_reported_within_seconds(algorithm):
+    """Rank 2 is SIGKILLed; ranks 0, 1, 3 raise PeerLost naming rank 2, whether or not they
+    were talking to it (with PS, rank 1 and 3 only talk to rank 0)."""
+    results = spawn_job(DIE.format(algorithm=algorithm), 4, env={"RINGCOMM_TIMEOUT": "60"}, timeout=45)
+    for rank in (0, 1, 3):
+        code, out, err = results[rank]
+        assert "PeerLost rank=2" in out, f"rank {rank}: {out}\n{err}"
+        assert float(out.split("after=")[1].split()[0]) < 5.0
+
+
+TIMEOUT = textwrap.dedent("""
+    import time, numpy as np, ringcomm
+    comm = ringcomm.init(timeout=1.0)
+    x = np.ones(10, np.float32)
+    comm.all_reduce(x)
+    if comm.rank == 1:
+        time.sleep(4)
+        print("slept")
+    else:
+        t = time.monotonic()
+        try:
+            comm.all_reduce(x, algorithm="ring")
+        except ringcomm.CommTimeout as exc:
+            print(f"after={time.monotonic() - t:.2f} {exc}")
+""")
+
+
+def test_deadline_names_collective_and_rank():
+    results = spawn_job(TIMEOUT, 2, timeout=30)
+    out = results[0][1]
+    assert "all_reduce #" in out and "rank 1" in out, results[0]
+    assert 0.9 < float(out.split("after=")[1].split()[0]) < 3.0
+
+
+CLOSED = textwrap.dedent("""
+    import numpy as np, ringcomm
+    comm = ringcomm.init()
+    comm.close()
+    comm.close()
+    try:
+        comm.all_reduce(np.ones(3))
+    except ringcomm.CommError as exc:
+        print("closed:", exc)
+""")
+
+
+def test_use_after_close():
+    for code, out, err in spawn_job(CLOSED, 2, timeout=30):
+        assert code == 0 and "closed: world: communicator is closed" in out, err

@@ -1,0 +1,297 @@
+"""Delivery, duplicates, signatures, aborts and retirement in the mailbox
+(ringcomm.transport.mailbox), plus the abort path through the in-process transport."""
+import time
+
+import numpy as np
+import pytest
+
+from ringcomm.errors import (CollectiveMismatch, CommError, CommTimeout, FrameError, PeerLost,
+                             SignatureMismatch)
+from ringcomm.transport.frame import Header, Key, Kind
+from ringcomm.transport.local import LocalHub
+from ringcomm.transport.mailbox import ABORT_CLASSES, Mailbox, abort_code
+
+pytestmark = pytest.mark.timeout(30)
+
+SIG_A = b"A" * 16
+SIG_B = b"B" * 16
+
+
+def data(src, key, payload=b"", sig=SIG_A):
+    return Header(Kind.DATA, src, key, len(payload), sig), payload
+
+
+def abort(src, comm_id, seq, code, reason=b"it broke"):
+    sig = bytes([code]) + bytes(15)
+    return Header(Kind.ABORT, src, Key(comm_id, 0, seq, 0, 0), len(reason), sig), reason
+
+
+def put(box, message):
+    box.put(*message)
+
+
+# -- delivery by exact key ------------------------------------------------------------------------
+
+def test_delivered_by_exact_key_only():
+    box = Mailbox()
+    key = Key(comm_id=3, space=0, seq=5, step=1, segment=2)
+    put(box, data(1, key, b"payload"))
+    others = [
+        (2, key),                      # another source
+        (1, key._replace(comm_id=4)),
+        (1, key._replace(space=1)),
+        (1, key._replace(seq=6)),
+        (1, key._replace(step=0)),
+        (1, key._replace(segment=3)),
+    ]
+    for src, other in others:
+        assert box.take(src, other, SIG_A) is None, (src, other)
+    assert box.take(1, key, SIG_A) == b"payload"
+    assert box.take(1, key, SIG_A) is None  # delivered once only
+
+
+def test_out_of_order_arrival():
+    box = Mailbox()
+    keys = [Key(0, 0, 0, step, seg) for step in range(3) for seg in range(4)]
+    for key in reversed(keys):
+        put(box, data(1, key, f"{key.step}/{key.segment}".encode()))
+    for key in keys:
+        assert box.take(1, key, SIG_A) == f"{key.step}/{key.segment}".encode()
+    assert box.dropped == 0
+
+
+def test_interleaved_peers_kept_apart():
+    box = Mailbox()
+    key = Key(0, 0, 0, 0, 0)
+    put(box, data(2, key, b"from 2"))
+    put(box, data(1, key, b"from 1"))
+    assert box.take(1, key, SIG_A) == b"from 1"
+    assert box.take(2, key, SIG_A) == b"from 2"
+
+
+def test_duplicates_dropped():
+    box = Mailbox()
+    key = Key(0, 0, 0, 0, 0)
+    put(box, data(1, key, b"first"))
+    put(box, data(1, key, b"second"))
+    assert box.dropped == 1
+    assert box.take(1, key, SIG_A) == b"first"
+    assert box.take(1, key, SIG_A) is None
+
+
+def test_point_to_point_duplicates_dropped():
+    box = Mailbox()
+    key = Key(0, 1, 0, 7, 0)
+    put(box, data(1, key, b"first"))
+    put(box, data(1, key, b"second"))
+    assert box.dropped == 1
+    assert box.take(1, key, SIG_A) == b"first"
+    assert box.take(1, key, SIG_A) is None
+
+
+# -- signatures -----------------------------------------------------------------------------------
+
+def test_signature_mismatch_on_the_message_itself():
+    box = Mailbox()
+    key = Key(0, 0, 0, 0, 0)
+    put(box, data(1, key, b"x", sig=SIG_B))
+    with pytest.raises(SignatureMismatch) as info:
+        box.take(1, key, SIG_A)
+    assert (info.value.src, info.value.theirs, info.value.ours) == (1, SIG_B, SIG_A)
+
+
+def test_signature_mismatch_from_another_peer_names_that_peer():
+    box = Mailbox()
+    put(box, data(2, Key(0, 0, 4, 3, 1), b"x", sig=SIG_B))
+    # this rank waits for rank 1 (nothing from it yet) in the same collective (comm 0, seq 4)
+    with pytest.raises(SignatureMismatch) as info:
+        box.take(1, Key(0, 0, 4, 0, 0), SIG_A)
+    exc = info.value
+    assert isinstance(exc, CollectiveMismatch)
+    assert (exc.src, exc.theirs, exc.ours) == (2, SIG_B, SIG_A)
+    assert "rank 2" in str(exc)
+    assert SIG_B.hex() in str(exc) and SIG_A.hex() in str(exc)
+
+
+def test_signature_of_other_collective_or_p2p_is_not_a_mismatch():
+    box = Mailbox()
+    put(box, data(2, Key(0, 0, 5, 0, 0), b"x", sig=SIG_B))   # next collective
+    put(box, data(2, Key(1, 0, 4, 0, 0), b"x", sig=SIG_B))   # other communicator
+    put(box, data(2, Key(0, 1, 4, 0, 0), b"x", sig=SIG_B))   # point-to-point
+    put(box, data(1, Key(0, 0, 4, 0, 0), b"mine"))
+    assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"mine"
+
+
+def test_point_to_point_checks_only_its_own_message():
+    box = Mailbox()
+    put(box, data(2, Key(0, 1, 0, 9, 0), b"x", sig=SIG_B))
+    assert box.take(1, Key(0, 1, 0, 9, 0), SIG_A) is None
+    assert box.take(2, Key(0, 1, 0, 9, 0), SIG_B) == b"x"
+
+
+# -- aborts --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, cls", sorted(ABORT_CLASSES.items()) + [(0, CommError), (99, CommError)])
+def test_abort_raises_mapped_class_remotely(code, cls):
+    box = Mailbox()
+    put(box, abort(3, comm_id=2, seq=8, code=code, reason="died \u2620".encode()))
+    for key in (Key(2, 0, 8, 0, 0), Key(2, 0, 8, 5, 7)):
+        with pytest.raises(CommError) as info:
+            box.take(1, key, SIG_A)
+        assert type(info.value) is cls
+        assert info.value.remote is True
+        assert "rank 3" in str(info.value)
+        assert "died \u2620" in str(info.value)
+
+
+def test_abort_mapping_is_the_documented_one():
+    assert ABORT_CLASSES == {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError}
+
+
+def test_abort_precedes_pending_message_and_does_not_touch_others():
+    box = Mailbox()
+    put(box, data(1, Key(0, 0, 8, 0, 0), b"late"))
+    put(box, data(1, Key(0, 0, 9, 0, 0), b"next"))
+    put(box, data(1, Key(0, 1, 8, 0, 0), b"p2p"))
+    put(box, data(1, Key(1, 0, 8, 0, 0), b"other comm"))
+    put(box, abort(1, comm_id=0, seq=8, code=2))
+    with pytest.raises(CommTimeout):
+        box.take(1, Key(0, 0, 8, 0, 0), SIG_A)
+    assert box.take(1, Key(0, 0, 9, 0, 0), SIG_A) == b"next"
+    assert box.take(1, Key(0, 1, 8, 0, 0), SIG_A) == b"p2p"
+    assert box.take(1, Key(1, 0, 8, 0, 0), SIG_A) == b"other comm"
+
+
+def test_abort_precedes_signature_mismatch():
+    box = Mailbox()
+    put(box, data(2, Key(0, 0, 1, 0, 0), sig=SIG_B))
+    put(box, abort(2, 0, 1, code=3))
+    with pytest.raises(PeerLost) as info:
+        box.take(1, Key(0, 0, 1, 0, 0), SIG_A)
+    assert info.value.remote
+
+
+def test_local_errors_are_not_remote():
+    assert CommError.remote is False
+    assert CommTimeout("x").remote is False
+
+
+@pytest.mark.parametrize("exc, code", [
+    (CollectiveMismatch("x"), 1),
+    (SignatureMismatch(1, SIG_A, SIG_B), 1),
+    (CommTimeout("x"), 2),
+    (PeerLost("x", rank=1), 3),
+    (CommError("x"), 4),
+    (FrameError("x"), 4),
+    (ValueError("x"), 4),
+    (KeyboardInterrupt(), 4),
+])
+def test_abort_code(exc, code):
+    assert abort_code(exc) == code
+
+
+# -- retirement -----------------------------------------------------------------------------------
+
+def test_retire_drops_stragglers_but_not_p2p_or_later_seqs():
+    box = Mailbox()
+    put(box, data(1, Key(0, 0, 2, 0, 0), b"old"))
+    put(box, data(1, Key(0, 0, 3, 1, 0), b"straggler"))
+    put(box, data(2, Key(0, 0, 3, 0, 1), b"straggler"))
+    put(box, data(1, Key(0, 1, 3, 0, 0), b"p2p"))
+    put(box, data(1, Key(0, 0, 4, 0, 0), b"next"))
+    put(box, data(1, Key(5, 0, 3, 1, 0), b"other comm"))
+    box.retire(0, 3)
+    assert box.dropped == 3
+    assert box.take(1, Key(0, 0, 2, 0, 0), SIG_A) is None
+    assert box.take(1, Key(0, 0, 3, 1, 0), SIG_A) is None
+    assert box.take(2, Key(0, 0, 3, 0, 1), SIG_A) is None
+    assert box.take(1, Key(0, 1, 3, 0, 0), SIG_A) == b"p2p"
+    assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"next"
+    assert box.take(1, Key(5, 0, 3, 1, 0), SIG_A) == b"other comm"
+
+
+def test_retire_drops_late_arrivals_for_retired_seqs():
+    box = Mailbox()
+    box.retire(0, 3)
+    put(box, data(1, Key(0, 0, 3, 0, 0), b"late"))
+    put(box, data(1, Key(0, 0, 1, 0, 0), b"later still"))
+    assert box.dropped == 2
+    assert box.take(1, Key(0, 0, 3, 0, 0), SIG_A) is None
+    assert box.take(1, Key(0, 0, 1, 0, 0), SIG_A) is None
+    put(box, data(1, Key(0, 1, 3, 0, 0), b"p2p"))
+    put(box, data(1, Key(0, 0, 4, 0, 0), b"next"))
+    put(box, data(1, Key(1, 0, 3, 0, 0), b"other comm"))
+    assert box.dropped == 2
+    assert box.take(1, Key(0, 1, 3, 0, 0), SIG_A) == b"p2p"
+    assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"next"
+    assert box.take(1, Key(1, 0, 3, 0, 0), SIG_A) == b"other comm"
+
+
+def test_late_mismatched_signature_for_retired_seq_is_ignored():
+    box = Mailbox()
+    box.retire(0, 3)
+    put(box, data(2, Key(0, 0, 3, 0, 0), sig=SIG_B))
+    put(box, data(1, Key(0, 0, 4, 0, 0), b"next"))
+    assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"next"
+
+
+def test_retire_forgets_signatures_and_aborts_of_that_seq():
+    box = Mailbox()
+    put(box, data(2, Key(0, 0, 3, 0, 0), sig=SIG_B))
+    put(box, abort(2, 0, 3, code=1))
+    box.retire(0, 3)
+    # nothing of collective 3 is left to raise (or to deliver)
+    assert box.take(1, Key(0, 0, 3, 0, 0), SIG_A) is None
+
+
+def test_retire_is_monotonic():
+    box = Mailbox()
+    box.retire(0, 5)
+    box.retire(0, 2)  # retiring an older seq does not un-retire 3..5
+    put(box, data(1, Key(0, 0, 4, 0, 0), b"late"))
+    assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) is None
+    assert box.dropped == 1
+
+
+# -- the same paths through the in-process transport -----------------------------------------
+
+def test_transport_abort_reaches_waiting_peer():
+    hub = LocalHub(3)
+    t0, t1, t2 = (hub.transport(r) for r in range(3))
+    t2.abort([0, 1, 2], 0, 6, PeerLost("rank 1 went away", rank=1))
+    assert [(src, dst, kind) for src, dst, _, _, kind in hub.log] == [
+        (2, 0, Kind.ABORT), (2, 1, Kind.ABORT)]
+    start = time.monotonic()
+    with pytest.raises(PeerLost) as info:
+        t0.recv(1, Key(0, 0, 6, 0, 0), SIG_A, time.monotonic() + 5, "test")
+    assert time.monotonic() - start < 2
+    assert info.value.remote and "went away" in str(info.value)
+
+
+def test_transport_abort_reason_is_truncated():
+    hub = LocalHub(2)
+    t0, t1 = hub.transport(0), hub.transport(1)
+    t1.abort([0], 0, 0, CommError("x" * 10_000))
+    assert hub.log[0][3] == 4096
+    with pytest.raises(CommError):
+        t0.recv(1, Key(0, 0, 0, 0, 0), SIG_A, time.monotonic() + 5, "test")
+
+
+def test_transport_recv_times_out_naming_the_peer():
+    hub = LocalHub(2)
+    t0 = hub.transport(0)
+    start = time.monotonic()
+    with pytest.raises(CommTimeout, match=r"rank 1.*step 4, segment 2"):
+        t0.recv(1, Key(0, 0, 0, 4, 2), SIG_A, time.monotonic() + 0.3, "test")
+    assert 0.3 <= time.monotonic() - start < 2
+
+
+def test_transport_delivers_copy_of_payload():
+    hub = LocalHub(2)
+    t0, t1 = hub.transport(0), hub.transport(1)
+    x = np.arange(4, dtype=np.uint8)
+    t1.send(0, Key(0, 0, 0, 0, 0), SIG_A, x)
+    x[:] = 9  # the sender reuses its buffer: the message must not change
+    got = t0.recv(1, Key(0, 0, 0, 0, 0), SIG_A, time.monotonic() + 5, "test")
+    assert bytes(got) == bytes([0, 1, 2, 3])
+    assert hub.log == [(1, 0, Key(0, 0, 0, 0, 0), 4, Kind.DATA)]
