@@ -1,0 +1,210 @@
+"""Reading the job layout and settings from launcher environments (ringcomm.env)."""
+import dataclasses
+import math
+
+import pytest
+
+from ringcomm import env
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def layout(info):
+    return (info.source, info.rank, info.world_size, info.local_rank, info.local_world_size)
+
+
+# -- launchers ---------------------------------------------------------------------------------------
+
+def test_no_launcher_is_a_single_process():
+    info = env.from_environ({})
+    assert layout(info) == ("none", 0, 1, 0, 1)
+    assert info.master_addr == "127.0.0.1"
+    assert info.master_port == 0
+    assert info.timeout == env.DEFAULT_TIMEOUT == 300.0
+    assert info.segment_bytes == env.DEFAULT_SEGMENT_BYTES == 512 * 1024
+    assert info.force_tcp is False
+    env.validate(info)
+
+
+def test_from_environ_does_not_read_os_environ_when_given_a_dict(monkeypatch):
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert layout(env.from_environ({})) == ("none", 0, 1, 0, 1)
+    assert layout(env.from_environ()) == ("launcher", 3, 4, 0, 4)
+
+
+def test_torchrun_style():
+    info = env.from_environ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                             "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.7",
+                             "MASTER_PORT": "29500"})
+    assert layout(info) == ("launcher", 5, 8, 1, 4)
+    assert (info.master_addr, info.master_port) == ("10.0.0.7", 29500)
+    env.validate(info)
+
+
+def test_torchrun_style_local_defaults():
+    info = env.from_environ({"RANK": "2", "WORLD_SIZE": "3", "MASTER_PORT": "1234"})
+    # without LOCAL_*: local rank 0, every rank on one host
+    assert layout(info) == ("launcher", 2, 3, 0, 3)
+
+
+def test_open_mpi():
+    info = env.from_environ({"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "12",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_PORT": "4000"})
+    assert layout(info) == ("mpirun", 6, 12, 2, 4)
+    env.validate(info)
+
+
+def test_slurm():
+    info = env.from_environ({"SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1",
+                             "SLURM_NTASKS_PER_NODE": "2(x3)", "MASTER_PORT": "4000"})
+    assert layout(info) == ("srun", 3, 6, 1, 2)
+    env.validate(info)
+
+
+def test_slurm_plain_tasks_per_node():
+    info = env.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0",
+                             "SLURM_NTASKS_PER_NODE": "4"})
+    assert layout(info) == ("srun", 0, 4, 0, 4)
+
+
+def test_launcher_variables_take_precedence():
+    info = env.from_environ({"RANK": "1", "WORLD_SIZE": "2",
+                             "OMPI_COMM_WORLD_RANK": "7", "OMPI_COMM_WORLD_SIZE": "9",
+                             "SLURM_PROCID": "4", "SLURM_NTASKS": "5"})
+    assert layout(info)[:3] == ("launcher", 1, 2)
+    info = env.from_environ({"OMPI_COMM_WORLD_RANK": "7", "OMPI_COMM_WORLD_SIZE": "9",
+                             "SLURM_PROCID": "4", "SLURM_NTASKS": "5"})
+    assert layout(info)[:3] == ("mpirun", 7, 9)
+
+
+@pytest.mark.parametrize("environ, missing", [
+    ({"RANK": "0"}, "WORLD_SIZE"),
+    ({"RANK": "0", "WORLD_SIZE": ""}, "WORLD_SIZE"),
+    ({"RANK": "", "WORLD_SIZE": "2"}, "RANK"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE"),
+    ({"SLURM_PROCID": "0"}, "SLURM_NTASKS"),
+])
+def test_rank_without_size_is_an_error(environ, missing):
+    with pytest.raises(ValueError, match=missing):
+        env.from_environ(environ)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("RANK", "abc"), ("RANK", "-1"), ("RANK", " 1"), ("RANK", "x1"),
+    ("WORLD_SIZE", "four"), ("LOCAL_RANK", "?"), ("LOCAL_WORLD_SIZE", "-4"),
+    ("MASTER_PORT", "http"), ("RINGCOMM_SEGMENT_BYTES", "big"),
+])
+def test_non_integer_value_names_the_variable(name, value):
+    environ = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1234", name: value}
+    with pytest.raises(ValueError) as info:
+        env.from_environ(environ)
+    assert name in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+@pytest.mark.xfail(strict=True, reason="env._int uses re.match(r'\\d+'), so any value that merely "
+                   "starts with digits is accepted: RANK='1.5' or '1x' silently becomes rank 1")
+@pytest.mark.parametrize("value", ["1.5", "1x", "1e3"])
+def test_rank_with_trailing_garbage_is_rejected(value):
+    with pytest.raises(ValueError, match="RANK"):
+        env.from_environ({"RANK": value, "WORLD_SIZE": "2000", "MASTER_PORT": "1234"})
+
+
+# -- master and settings ----------------------------------------------------------------------------
+
+def test_empty_master_addr_falls_back_to_loopback():
+    info = env.from_environ({"MASTER_ADDR": "", "MASTER_PORT": ""})
+    assert (info.master_addr, info.master_port) == ("127.0.0.1", 0)
+
+
+def test_ringcomm_settings():
+    info = env.from_environ({"RINGCOMM_TIMEOUT": "2.5", "RINGCOMM_SEGMENT_BYTES": "65536",
+                             "RINGCOMM_SECRET": "s3cret", "RINGCOMM_TRANSPORT": "TCP"})
+    assert info.timeout == 2.5
+    assert info.segment_bytes == 65536
+    assert info.secret == "s3cret"
+    assert info.force_tcp is True
+    env.validate(info)
+
+
+@pytest.mark.parametrize("value, tcp", [("tcp", True), ("Tcp", True), ("", False),
+                                        ("ipc", False), ("auto", False)])
+def test_transport_setting(value, tcp):
+    assert env.from_environ({"RINGCOMM_TRANSPORT": value}).force_tcp is tcp
+
+
+def test_default_secret_is_shared_by_ranks_of_one_job_only():
+    job = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "5000", "WORLD_SIZE": "2"}
+    a = env.from_environ({**job, "RANK": "0"}).secret
+    b = env.from_environ({**job, "RANK": "1"}).secret
+    other = env.from_environ({**job, "RANK": "0", "MASTER_PORT": "5001"}).secret
+    assert a == b
+    assert a != other
+    assert len(a) == 32 and int(a, 16) >= 0
+    assert env.from_environ({**job, "RANK": "0", "RINGCOMM_SECRET": ""}).secret == a
+
+
+def test_bad_timeout_value_is_value_error():
+    with pytest.raises(ValueError):
+        env.from_environ({"RINGCOMM_TIMEOUT": "soon"})
+
+
+# -- validate ---------------------------------------------------------------------------------------------
+
+def job(**changes):
+    base = env.JobInfo(rank=0, world_size=2, master_port=29500)
+    return dataclasses.replace(base, **changes)
+
+
+def test_validate_accepts_good_job():
+    env.validate(job())
+    env.validate(job(rank=1))
+    env.validate(env.JobInfo())  # a single process needs no port
+
+
+@pytest.mark.parametrize("rank, world", [(2, 2), (5, 2), (-1, 2), (1, 1)])
+def test_validate_rank_out_of_range(rank, world):
+    with pytest.raises(ValueError, match="outside world size"):
+        env.validate(job(rank=rank, world_size=world))
+
+
+@pytest.mark.parametrize("world", [0, -3])
+def test_validate_world_size(world):
+    with pytest.raises(ValueError, match="world size"):
+        env.validate(job(world_size=world))
+
+
+def test_validate_world_without_master_port():
+    with pytest.raises(ValueError, match="MASTER_PORT"):
+        env.validate(job(master_port=0))
+    with pytest.raises(ValueError, match="MASTER_PORT"):
+        env.validate(env.from_environ({"RANK": "0", "WORLD_SIZE": "2"}))
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, -math.inf])
+def test_validate_bad_timeout(timeout):
+    with pytest.raises(ValueError, match="timeout"):
+        env.validate(job(timeout=timeout))
+
+
+def test_validate_bad_timeout_from_environ():
+    with pytest.raises(ValueError, match="timeout"):
+        env.validate(env.from_environ({"RINGCOMM_TIMEOUT": "0"}))
+
+
+@pytest.mark.xfail(strict=True, reason="validate checks `timeout <= 0`, which is False for NaN, so "
+                   "RINGCOMM_TIMEOUT=nan passes validation and every deadline becomes NaN")
+def test_validate_rejects_nan_timeout():
+    with pytest.raises(ValueError, match="timeout"):
+        env.validate(env.from_environ({"RINGCOMM_TIMEOUT": "nan"}))
+
+
+@pytest.mark.parametrize("segment_bytes", [0, 1, 1023])
+def test_validate_small_segments(segment_bytes):
+    with pytest.raises(ValueError, match="segment"):
+        env.validate(job(segment_bytes=segment_bytes))
+    env.validate(job(segment_bytes=1024))
