@@ -49,10 +49,11 @@ def _int(environ, name, default=None):
         if default is None:
             raise ValueError(f"environment variable {name} is not set")
         return default
-    match = re.match(r"\d+", value)  # SLURM writes task counts like "2(x3)"
+    # SLURM writes per-node task counts like "2(x3)": the count is the leading number
+    match = re.fullmatch(r"(\d+)(\(x\d+\))?(,.*)?" if name.startswith("SLURM_") else r"(\d+)", value)
     if not match:
         raise ValueError(f"environment variable {name}={value!r} is not a non-negative integer")
-    return int(match.group())
+    return int(match.group(1))
 
 
 def from_environ(environ=None):
@@ -88,7 +89,7 @@ def validate(info):
         raise ValueError("MASTER_PORT is not set: ranks cannot find rank 0's rendezvous "
                          "(start the job with `python -m ringcomm.launch`, or set "
                          "MASTER_ADDR and MASTER_PORT)")
-    if info.timeout <= 0:
+    if not info.timeout > 0:  # also rejects NaN
         raise ValueError(f"timeout must be positive, got {info.timeout}")
     if info.segment_bytes < 1024:
         raise ValueError(f"segment size must be at least 1024 bytes, got {info.segment_bytes}")

@@ -3,7 +3,7 @@
 Run on every rank, normally through the launcher (it is what the launcher runs when it is
 given no script)::
 
-    python -m ringcomm.launch --nproc 4                      # the full check, ~10 s
+    python -m ringcomm.launch --nproc 4                      # the full check, 5-15 s
     python -m ringcomm.launch --nproc 4 -m ringcomm.selfcheck --quick --json out.json
 
 Three parts; rank 0 prints, the other ranks speak only to report a failure:
@@ -23,10 +23,13 @@ Three parts; rank 0 prints, the other ranks speak only to report a failure:
 
 A *check* is one collective call verified on every rank; it fails if any rank saw a wrong
 result. The exit status is 0 only if every check passed; a rank whose own check failed
-prints the collective, algorithm, dtype, length and first wrong element on stderr.
+prints the collective, algorithm, dtype, length and first wrong element on stderr. If a
+collective raises, every rank stops there (the group may no longer be in step). Each
+collective may take 60 s unless ``RINGCOMM_TIMEOUT`` (``launch --timeout``) says otherwise.
 """
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -44,6 +47,7 @@ KINDS = ("sum", "extreme", "prod")  # input value ranges, chosen by op
 UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 BYTES_ACCOUNTING_SIZE = 1 << 20
 MAX_PRINTED_FAILURES = 20
+DEFAULT_TIMEOUT = 60.0  # seconds per collective, unless RINGCOMM_TIMEOUT (launch --timeout) says
 
 
 class Fatal(Exception):
@@ -234,7 +238,7 @@ def check_collectives(comm, checks, inputs, lengths):
             barrier_checks.append(checks.add("barrier", algo, f"late rank {late}", None))
     every = np.empty(n * len(stamps), np.float64)
     checks.call(("all_gather", "auto", "of barrier times"), comm.all_gather, every, np.array(stamps))
-    if comm.local_world_size == n:  # one host: perf_counter is comparable between processes
+    if r == 0 and comm.local_world_size == n:  # one host: perf_counter agrees between processes
         for index, times in zip(barrier_checks, every.reshape(n, -1, 2).transpose(1, 0, 2)):
             if times[:, 1].min() < times[:, 0].max():
                 checks.fail(index, f"a rank left at {times[:, 1].min():.6f} before the last "
@@ -287,7 +291,7 @@ def check_bytes(comm, checks):
             want = [(n - 1) * S] + [S] * (n - 1)
             ok, expected = sent == want, {"rank0": (n - 1) * S, "others": S if n > 1 else None}
         ok = ok and sum(received) == sum(sent)
-        checks.add("bytes", algo, f"all_reduce of {S} B", None if ok else
+        checks.add("bytes", algo, f"all_reduce of {S} B", None if ok or comm.rank else  # rank 0 tells
                    f"bytes_sent by rank {sent}, bytes_received {received}; expected {expected}")
         result[algo] = {"bytes_sent": sent, "bytes_received": received, "expected": expected, "ok": ok}
     return result
@@ -325,12 +329,17 @@ def bandwidth(comm, checks, sizes, iters):
     return rows
 
 
+def ranks(n):
+    return f"{n} rank" + ("s" if n != 1 else "")
+
+
 def print_report(n, table, accounting, bw, iters):
-    print(f"\n{'collective':<18} {'algorithm':<9} {'checks':>7} {'failures':>8}")
+    print("\ncorrectness: a check is one collective call whose result every rank verified")
+    print(f"{'collective':<18} {'algorithm':<9} {'checks':>7} {'failures':>8}")
     for row in table:
         print(f"{row['collective']:<18} {row['algorithm']:<9} {row['checks']:>7} {row['failures']:>8}")
     S = accounting["size_bytes"]
-    print(f"\nbyte accounting: bytes_sent after one all_reduce of S = {human(S)} on n = {n} rank(s)")
+    print(f"\nbyte accounting: bytes_sent after one all_reduce of S = {human(S)} on n = {ranks(n)}")
     ring, ps = accounting["ring"], accounting["ps"]
     print(f"  ring  by rank {ring['bytes_sent']}: total {sum(ring['bytes_sent'])}, formula 2(n-1)S = "
           f"{2 * (n - 1) * S}; per rank formula 2(n-1)S/n = {2 * (n - 1) * S / n:.0f}  "
@@ -341,9 +350,10 @@ def print_report(n, table, accounting, bw, iters):
     if bw is None:
         print("\nbandwidth: skipped, there is nothing to measure with 1 rank")
         return
-    print(f"\nall_reduce bandwidth, ring vs parameter server (ps), {n} ranks, median of {iters} "
-          f"iterations of the slowest rank\nalgbw = size / time, busbw = algbw * 2(n-1)/n = "
-          f"algbw * {2 * (n - 1) / n:.3g}; #wrong = wrong result elements, all ranks")
+    print(f"\nall_reduce bandwidth, ring vs parameter server (ps), {ranks(n)}: time = median over "
+          f"{iters} iterations of the slowest rank\nalgbw = size / time, busbw = algbw * 2(n-1)/n = "
+          f"algbw * {2 * (n - 1) / n:.3g}; ps/ring > 1: the ring is faster; "
+          f"#wrong = wrong result elements, all ranks")
     print(f"#{'':>32}{'ring':^26}  {'ps':^26}")
     print(f"#{'size':>11}{'count':>12}{'type':>9}{'time':>10}{'algbw':>8}{'busbw':>8}  "
           f"{'time':>10}{'algbw':>8}{'busbw':>8}{'ps/ring':>9}{'#wrong':>8}")
@@ -372,10 +382,11 @@ def main(argv=None):
     sizes = args.sizes or ([4 << 10, 1 << 20] if args.quick else [4 << 10, 256 << 10, 4 << 20, 16 << 20])
 
     started = time.perf_counter()
-    comm = ringcomm.init()
+    # A hang should not keep the user waiting for the default five minutes.
+    comm = ringcomm.init(timeout=None if "RINGCOMM_TIMEOUT" in os.environ else DEFAULT_TIMEOUT)
     n, r = comm.world_size, comm.rank
     if r == 0:
-        print(f"ringcomm selfcheck: {n} rank(s), seed {args.seed}{', quick' if args.quick else ''}",
+        print(f"ringcomm selfcheck: {ranks(n)}, seed {args.seed}{', quick' if args.quick else ''}",
               flush=True)
     lengths = sorted({0, 1, max(n - 1, 0), 1009} | ({100_003} if not args.quick else {10_007}))
     checks = Checks(comm)

@@ -100,7 +100,7 @@ def test_launcher_without_script_runs_selfcheck():
     result = launch("--nproc", 2, timeout=55)
     assert result.returncode == 0, explain(result)
     lines = rank0_lines(result.stdout)
-    assert lines[0].startswith("ringcomm selfcheck: 2 rank(s)")
+    assert lines[0].startswith("ringcomm selfcheck: 2 ranks")
     assert lines[-1].startswith("selfcheck: PASSED (")
     assert has_line_with(lines, TABLE_HEADER) and has_line_with(lines, BANDWIDTH_HEADER)
 

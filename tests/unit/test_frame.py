@@ -186,7 +186,7 @@ def test_fuzz_header_sized_bytes_with_magic(raw, payload_len, world, self_rank):
 @given(msg=messages(), mutations=st.lists(
     st.tuples(st.integers(0, 55), st.integers(0, 255)), min_size=1, max_size=4),
     payload_delta=st.sampled_from([0, 0, 0, 1, -1]))
-@settings(max_examples=300)
+@settings(max_examples=200)
 def test_fuzz_mutated_valid_headers(msg, mutations, payload_delta):
     kind, src, key, nbytes, sig, world, self_rank = msg
     raw = bytearray(frame.pack(kind, src, key, nbytes, sig))
@@ -195,12 +195,3 @@ def test_fuzz_mutated_valid_headers(msg, mutations, payload_delta):
     payload_len = nbytes + payload_delta
     assume(payload_len >= 0)
     check_unpack(bytes(raw), payload_len, world, self_rank)
-
-
-@given(pad=st.integers(0, 255))
-def test_nonzero_pad_byte_is_ignored(pad):
-    # documenting current behaviour: the pad byte at offset 7 is not validated
-    good = bytearray(good_raw())
-    good[OFF_PAD] = pad
-    assert frame.unpack(bytes(good), 12, 4, 0) == Header(
-        GOOD["kind"], GOOD["src"], GOOD["key"], GOOD["nbytes"], GOOD["sig"])

@@ -9,7 +9,7 @@ from ringcomm.errors import (CollectiveMismatch, CommError, CommTimeout, FrameEr
                              SignatureMismatch)
 from ringcomm.transport.frame import Header, Key, Kind
 from ringcomm.transport.local import LocalHub
-from ringcomm.transport.mailbox import ABORT_CLASSES, Mailbox, abort_code
+from ringcomm.transport.mailbox import ABORT_CLASSES, ABORT_SIG, NO_RANK, Mailbox, abort_code
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,8 +21,8 @@ def data(src, key, payload=b"", sig=SIG_A):
     return Header(Kind.DATA, src, key, len(payload), sig), payload
 
 
-def abort(src, comm_id, seq, code, reason=b"it broke"):
-    sig = bytes([code]) + bytes(15)
+def abort(src, comm_id, seq, code, reason=b"it broke", lost=NO_RANK):
+    sig = ABORT_SIG.pack(code, lost)
     return Header(Kind.ABORT, src, Key(comm_id, 0, seq, 0, 0), len(reason), sig), reason
 
 
@@ -144,6 +144,27 @@ def test_abort_raises_mapped_class_remotely(code, cls):
         assert "died \u2620" in str(info.value)
 
 
+def test_abort_signature_layout():
+    assert ABORT_SIG.size == 16
+    assert ABORT_SIG.pack(3, 7) == bytes([3, 7, 0, 0, 0]) + bytes(11)
+
+
+def test_abort_carries_lost_rank():
+    box = Mailbox()
+    put(box, abort(1, 0, 2, code=3, lost=4))
+    with pytest.raises(PeerLost) as info:
+        box.take(1, Key(0, 0, 2, 0, 0), SIG_A)
+    assert info.value.rank == 4 and info.value.remote
+
+
+def test_abort_without_lost_rank():
+    box = Mailbox()
+    put(box, abort(1, 0, 2, code=3))
+    with pytest.raises(PeerLost) as info:
+        box.take(1, Key(0, 0, 2, 0, 0), SIG_A)
+    assert info.value.rank is None
+
+
 def test_abort_mapping_is_the_documented_one():
     assert ABORT_CLASSES == {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError}
 
@@ -244,6 +265,34 @@ def test_retire_forgets_signatures_and_aborts_of_that_seq():
     assert box.take(1, Key(0, 0, 3, 0, 0), SIG_A) is None
 
 
+def test_late_abort_for_retired_seq_poisons_next_collective_once():
+    box = Mailbox()
+    box.retire(0, 3)                      # this rank finished #3 without noticing a failure
+    put(box, abort(2, 0, 3, code=3, reason=b"rank 1 died", lost=1))
+    put(box, data(1, Key(0, 0, 4, 0, 0), b"next"))
+    put(box, data(1, Key(0, 1, 4, 0, 0), b"p2p"))
+    put(box, data(1, Key(1, 0, 4, 0, 0), b"other comm"))
+    # point-to-point and other communicators are not affected
+    assert box.take(1, Key(0, 1, 4, 0, 0), SIG_A) == b"p2p"
+    assert box.take(1, Key(1, 0, 4, 0, 0), SIG_A) == b"other comm"
+    with pytest.raises(PeerLost) as info:
+        box.take(1, Key(0, 0, 4, 0, 0), SIG_A)
+    exc = info.value
+    assert exc.rank == 1
+    assert "#3" in str(exc) and "rank 2" in str(exc) and "rank 1 died" in str(exc)
+    assert exc.remote is False  # this rank must abort its own collective in turn
+    # raised once: the collective after that proceeds
+    assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"next"
+
+
+def test_late_abort_for_collective_that_failed_here_is_ignored():
+    box = Mailbox()
+    box.retire(0, 3, failed=True)
+    put(box, abort(2, 0, 3, code=2))
+    put(box, data(1, Key(0, 0, 4, 0, 0), b"next"))
+    assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"next"
+
+
 def test_retire_is_monotonic():
     box = Mailbox()
     box.retire(0, 5)
@@ -259,6 +308,8 @@ def test_transport_abort_reaches_waiting_peer():
     hub = LocalHub(3)
     t0, t1, t2 = (hub.transport(r) for r in range(3))
     t2.abort([0, 1, 2], 0, 6, PeerLost("rank 1 went away", rank=1))
+    assert all(ABORT_SIG.unpack(raw_sig) == (3, 1) for raw_sig in (
+        t0.hub.queues[0].queue[0][0][40:], t1.hub.queues[1].queue[0][0][40:]))
     assert [(src, dst, kind) for src, dst, _, _, kind in hub.log] == [
         (2, 0, Kind.ABORT), (2, 1, Kind.ABORT)]
     start = time.monotonic()
@@ -266,6 +317,7 @@ def test_transport_abort_reaches_waiting_peer():
         t0.recv(1, Key(0, 0, 6, 0, 0), SIG_A, time.monotonic() + 5, "test")
     assert time.monotonic() - start < 2
     assert info.value.remote and "went away" in str(info.value)
+    assert info.value.rank == 1
 
 
 def test_transport_abort_reason_is_truncated():
@@ -295,3 +347,17 @@ def test_transport_delivers_copy_of_payload():
     got = t0.recv(1, Key(0, 0, 0, 0, 0), SIG_A, time.monotonic() + 5, "test")
     assert bytes(got) == bytes([0, 1, 2, 3])
     assert hub.log == [(1, 0, Key(0, 0, 0, 0, 0), 4, Kind.DATA)]
+
+
+def test_transport_poll_never_waits():
+    hub = LocalHub(2)
+    t0, t1 = hub.transport(0), hub.transport(1)
+    key = Key(0, 1, 0, 3, 0)
+    start = time.monotonic()
+    assert t0.poll(1, key, SIG_A, time.monotonic() + 5, "test") is None
+    assert time.monotonic() - start < 0.05
+    t1.send(0, key, SIG_A, b"hi")
+    t0._pump(1.0)
+    assert bytes(t0.poll(1, key, SIG_A, time.monotonic() + 5, "test")) == b"hi"
+    with pytest.raises(CommTimeout, match="rank 1"):
+        t0.poll(1, key, SIG_A, time.monotonic() - 1, "test")
