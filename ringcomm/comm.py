@@ -94,6 +94,8 @@ class Communicator:
     def reduce_scatter(self, out, x, op="sum", algorithm="auto", async_op=False):
         """``out`` gets the reduced slice ``[rank*out.size:(rank+1)*out.size]`` of flat ``x``
         (``x.size == world_size * out.size``); ``x`` is unchanged. Returns ``out``.
+        In place when ``out`` is exactly that slice of ``x`` (then the rest of ``x`` is
+        left unchanged too).
 
         >>> x = np.arange(4.0)               # on both of 2 ranks
         >>> comm.reduce_scatter(out, x)      # rank 0: out == [0., 2.], rank 1: [4., 6.]
@@ -108,7 +110,7 @@ class Communicator:
 
     def all_gather(self, out, x, algorithm="auto", async_op=False):
         """``out`` gets every rank's ``x`` in rank order (``out.size == world_size * x.size``).
-        Returns ``out``.
+        Returns ``out``. In place when ``x`` is exactly this rank's slice of ``out``.
 
         >>> x = np.array([rank])             # rank 0: [0], rank 1: [1]
         >>> comm.all_gather(out, x)          # both: out == [0, 1]
@@ -271,8 +273,16 @@ class Communicator:
             raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}; they must match")
         if got != want:
             raise ValueError(f"{got_name} = {got} but {want_name} = {want}")
-        if np.shares_memory(out, x):
-            raise ValueError("out and x must not overlap")
+        if np.shares_memory(out, x) and not self._in_place(out, x):
+            raise ValueError("out and x overlap; they may only overlap in place, with the small "
+                             "buffer being exactly this rank's slice of the large one")
+
+    def _in_place(self, out, x):
+        """NCCL's in-place forms: reduce_scatter with ``out`` = this rank's slice of ``x``,
+        all_gather with ``x`` = this rank's slice of ``out``."""
+        big, small = (x, out) if x.size > out.size else (out, x)
+        offset = self.rank * small.size * small.itemsize
+        return small.ctypes.data == big.ctypes.data + offset
 
     def _algorithm(self, algorithm, collective, nbytes):
         if algorithm not in ALGORITHMS:
@@ -312,6 +322,9 @@ class Communicator:
                             self.segment_bytes, time.monotonic() + self.timeout, what, self._stats)
                 failed = True
                 try:
+                    if space == 0:  # an earlier collective may have failed elsewhere
+                        transport.pump(0)
+                        transport.mailbox.raise_poison(self.comm_id)
                     deferred = body(link)
                     if deferred is not None:
                         return deferred  # a receive: it completes itself, sends nothing

@@ -12,6 +12,7 @@ their heavy loops, so the caller's compute overlaps the communication.
 import logging
 import queue
 import threading
+import time
 
 from .errors import CommError, CommTimeout
 
@@ -37,9 +38,11 @@ class Work:
         self._fn, self.what = fn, what
         self._done = threading.Event()
         self._result = self._error = None
+        self.started = self.finished = None  # time.perf_counter() on the communication thread
 
     def _run(self, transport):
         """Run the work function; False if it deferred its completion."""
+        self.started = time.perf_counter()
         try:
             outcome = self._fn(transport)
             if isinstance(outcome, Deferred):
@@ -49,6 +52,7 @@ class Work:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         self._fn = None
+        self.finished = time.perf_counter()
         self._done.set()
         return True
 
@@ -61,6 +65,7 @@ class Work:
         except BaseException as exc:  # noqa: BLE001
             self._error = exc
         self._fn = self._deferred = None
+        self.finished = time.perf_counter()
         self._done.set()
         return True
 

@@ -50,7 +50,7 @@ def _int(environ, name, default=None):
             raise ValueError(f"environment variable {name} is not set")
         return default
     # SLURM writes per-node task counts like "2(x3)": the count is the leading number
-    match = re.fullmatch(r"(\d+)(\(x\d+\))?(,.*)?" if name.startswith("SLURM_") else r"(\d+)", value)
+    match = re.fullmatch(r"(\d+)(\(x\d+\))?(,.*)?" if name == "SLURM_NTASKS_PER_NODE" else r"(\d+)", value)
     if not match:
         raise ValueError(f"environment variable {name}={value!r} is not a non-negative integer")
     return int(match.group(1))
@@ -70,8 +70,12 @@ def from_environ(environ=None):
             break
     info.master_addr = environ.get("MASTER_ADDR") or "127.0.0.1"
     info.master_port = _int(environ, "MASTER_PORT", 0)
-    if "RINGCOMM_TIMEOUT" in environ:
-        info.timeout = float(environ["RINGCOMM_TIMEOUT"])
+    if environ.get("RINGCOMM_TIMEOUT"):
+        try:
+            info.timeout = float(environ["RINGCOMM_TIMEOUT"])
+        except ValueError:
+            raise ValueError(f"environment variable RINGCOMM_TIMEOUT={environ['RINGCOMM_TIMEOUT']!r} "
+                             "is not a number of seconds") from None
     info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES)
     info.secret = environ.get("RINGCOMM_SECRET") or hashlib.sha256(
         f"ringcomm:{info.master_addr}:{info.master_port}".encode()).hexdigest()[:32]
@@ -89,6 +93,10 @@ def validate(info):
         raise ValueError("MASTER_PORT is not set: ranks cannot find rank 0's rendezvous "
                          "(start the job with `python -m ringcomm.launch`, or set "
                          "MASTER_ADDR and MASTER_PORT)")
+    if not 0 <= info.local_rank < info.local_world_size:
+        raise ValueError(f"local rank {info.local_rank} is outside local world size {info.local_world_size}")
+    if not 0 <= info.master_port <= 65535:
+        raise ValueError(f"MASTER_PORT {info.master_port} is not a TCP port")
     if not info.timeout > 0:  # also rejects NaN
         raise ValueError(f"timeout must be positive, got {info.timeout}")
     if info.segment_bytes < 1024:

@@ -3,7 +3,7 @@
 For unit tests of the algorithms layer only; it goes through the same framing, mailbox and
 wait logic as the ZeroMQ transport, and copies every payload (as a socket would) so an
 algorithm that reuses a buffer too early is caught. ``hub.log`` records every message
-``(src, dst, key, nbytes)`` so tests can assert the *structure* of a schedule.
+``(src, dst, key, nbytes, kind)`` so tests can assert the *structure* of a schedule.
 
 >>> hub = LocalHub(2); t0, t1 = hub.transport(0), hub.transport(1)
 """

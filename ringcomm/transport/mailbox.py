@@ -45,6 +45,9 @@ class Mailbox:
     def put(self, header, payload):
         """File one validated message."""
         key = header.key
+        if header.kind == Kind.ABORT and key.space != 0:
+            self.dropped += 1  # aborts concern collectives only
+            return
         if header.kind == Kind.ABORT:
             code, lost = ABORT_SIG.unpack(header.sig)
             reason = bytes(payload).decode("utf-8", "replace")
@@ -80,6 +83,11 @@ class Mailbox:
         if key.space == 0:
             self._signatures[(key.comm_id, key.seq)].setdefault(header.src, header.sig)
 
+    def raise_poison(self, comm_id):
+        """Raise the error left for ``comm_id`` by an abort of a collective it finished."""
+        if comm_id in self._poison:
+            raise self._poison.pop(comm_id)
+
     def take(self, src, key, sig):
         """The payload of message ``key`` from ``src``, or ``None`` if it has not arrived.
 
@@ -87,8 +95,7 @@ class Mailbox:
         when any peer announced a different signature for it.
         """
         if key.space == 0:
-            if key.comm_id in self._poison:
-                raise self._poison.pop(key.comm_id)
+            self.raise_poison(key.comm_id)
             abort = self._aborts.get((key.comm_id, key.seq))
             if abort is not None:
                 raise abort

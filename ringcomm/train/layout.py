@@ -1,0 +1,117 @@
+"""Where every parameter, gradient and shard lives in the flat buffers.
+
+Words used by the strategies:
+
+- **flat buffer**: one 1-D array holding every parameter (or gradient) of the model, in
+  *reverse* model order (``b_last, W_last, ..., b0, W0``) — the order in which backward
+  produces gradients, so a group of gradients that become ready together is contiguous.
+- **unit**: a contiguous range of the flat buffer that is communicated as one piece, padded
+  with zeros to a multiple of N. For DDP and ZeRO-1/2 a unit is a **bucket** (parameters
+  collected in reverse order until the bucket size is reached; the first bucket is small so
+  that communication starts early); for ZeRO-3 a unit is one **layer** (its W and b).
+- **shard**: rank r's 1/N slice of every unit. A rank's shard buffer is the concatenation of
+  its slices of all units, so the optimizer sees one flat fp32 array per rank.
+
+>>> lay = Layout([("W0", (3, 2)), ("b0", (2,))], world_size=2, unit_bytes=1 << 20, itemsize=4)
+>>> [(u.start, u.stop, u.shard_size) for u in lay.units]  # one bucket: b0 then W0, 8 elements
+[(0, 8, 4)]
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
+
+
+@dataclass
+class Unit:
+    index: int
+    params: list            # model-order indices of the parameters it holds, in flat order
+    start: int              # flat offset of the unit
+    length: int             # elements that are real parameters
+    padded: int             # length rounded up to a multiple of N
+    shard_size: int         # padded / N: one rank's slice
+    shard_start: int        # offset of this unit's slice within a rank's shard buffer
+    layer: int = -1         # for per-layer units
+
+    @property
+    def stop(self):
+        return self.start + self.padded
+
+    def own_range(self, rank):
+        """Rank ``rank``'s slice of this unit, in flat-buffer offsets."""
+        size = self.shard_size
+        return self.start + rank * size, self.start + (rank + 1) * size
+
+
+class Layout:
+    def __init__(self, specs, world_size, unit_bytes, itemsize, per_layer=False,
+                 first_bytes=FIRST_BUCKET_BYTES):
+        self.specs, self.world_size = specs, world_size
+        self.sizes = [int(np.prod(shape)) for _, shape in specs]
+        self.num_params = sum(self.sizes)
+        self.offsets = [0] * len(specs)
+        self.units = []
+        order = list(range(len(specs)))[::-1]
+        groups = self._groups(order, unit_bytes, itemsize, per_layer, first_bytes)
+        offset = shard_offset = 0
+        for index, members in enumerate(groups):
+            length = sum(self.sizes[p] for p in members)
+            padded = -(-length // world_size) * world_size if length else world_size
+            unit = Unit(index, members, offset, length, padded, padded // world_size, shard_offset,
+                        layer=members[0] // 2 if per_layer else -1)
+            cursor = offset
+            for p in members:
+                self.offsets[p] = cursor
+                cursor += self.sizes[p]
+            self.units.append(unit)
+            offset += padded
+            shard_offset += padded // world_size
+        self.total = offset                # padded flat length
+        self.shard_total = shard_offset    # length of one rank's shard buffer
+        self.unit_of_param = {p: u for u in self.units for p in u.params}
+
+    def _groups(self, order, unit_bytes, itemsize, per_layer, first_bytes):
+        if per_layer:
+            return [[p for p in order if p // 2 == layer] for layer in sorted({p // 2 for p in order}, reverse=True)]
+        groups, current, current_bytes = [], [], 0
+        for p in order:
+            current.append(p)
+            current_bytes += self.sizes[p] * itemsize
+            cap = min(first_bytes, unit_bytes) if not groups else unit_bytes
+            if current_bytes >= cap:
+                groups.append(current)
+                current, current_bytes = [], 0
+        if current:
+            groups.append(current)
+        return groups
+
+    def views(self, flat):
+        """Model-order views of every parameter inside ``flat`` (a full flat buffer)."""
+        return [flat[o:o + n].reshape(shape) for o, n, (_, shape) in zip(self.offsets, self.sizes, self.specs)]
+
+    def unit_views(self, unit, buffer):
+        """Views of ``unit``'s parameters inside ``buffer`` (``unit.padded`` long)."""
+        return {p: buffer[self.offsets[p] - unit.start:self.offsets[p] - unit.start + self.sizes[p]]
+                .reshape(self.specs[p][1]) for p in unit.params}
+
+    def shard_view(self, shard, unit):
+        """``unit``'s slice inside a rank's shard buffer."""
+        return shard[unit.shard_start:unit.shard_start + unit.shard_size]
+
+    def pack(self, params, dtype):
+        """A new flat buffer holding the model-order ``params``."""
+        flat = np.zeros(self.total, dtype)
+        for view, value in zip(self.views(flat), params):
+            view[...] = value
+        return flat
+
+    def own_shard(self, flat, rank):
+        """Rank ``rank``'s shard, gathered from a full flat buffer (a new array)."""
+        return np.concatenate([flat[slice(*u.own_range(rank))] for u in self.units])
+
+    def scatter_shard(self, shard, flat, rank):
+        """Write rank ``rank``'s shard into its places in a full flat buffer."""
+        for u in self.units:
+            lo, hi = u.own_range(rank)
+            flat[lo:hi] = self.shard_view(shard, u)

@@ -1,0 +1,86 @@
+"""The MLP: forward and backward, layer by layer, in the array module (numpy or cupy).
+
+The model is exactly ``h = x``; for each layer i ``h = h @ W_i + b_i`` with ``W_i`` of shape
+(in, out), ReLU between layers and none after the last; the loss is the mean softmax
+cross-entropy over the *global* batch. A rank that holds ``B/N`` samples of a global batch
+of ``B`` returns its *share* of the loss (sum over its samples / B), so summing the shares
+and the gradients over ranks gives exactly the global loss and gradient.
+
+Parameters are listed in *model order* ``W0, b0, W1, b1, ...``. Precision: activations and
+parameters are stored in the given dtype (float16 in mixed precision); numpy has no fast
+fp16 matrix product, so products are computed in float32 from the stored values and the
+results stored back in the storage dtype.
+
+>>> layers = [64, 256, 10]
+>>> params = init_params(layers, seed=0)          # [W0 (64,256), b0 (256,), W1, b1], fp32
+"""
+import numpy as np
+
+
+def param_specs(layers):
+    """``[(name, shape), ...]`` in model order."""
+    specs = []
+    for i, (fan_in, fan_out) in enumerate(zip(layers[:-1], layers[1:])):
+        specs += [(f"W{i}", (fan_in, fan_out)), (f"b{i}", (fan_out,))]
+    return specs
+
+
+def init_params(layers, seed):
+    """fp32 parameters, deterministic from ``seed``: U(−1/√in, 1/√in) as torch.nn.Linear."""
+    rng = np.random.default_rng(seed)
+    params = []
+    for fan_in, fan_out in zip(layers[:-1], layers[1:]):
+        bound = 1.0 / np.sqrt(fan_in)
+        params.append(rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32))
+        params.append(rng.uniform(-bound, bound, (fan_out,)).astype(np.float32))
+    return params
+
+
+def num_layers(layers):
+    return len(layers) - 1
+
+
+def linear_forward(h, W, b, relu):
+    """``act(h @ W + b)`` in float32 arithmetic, stored in ``W``'s dtype."""
+    out = h.astype(np.float32, copy=False) @ W.astype(np.float32, copy=False)
+    out += b.astype(np.float32, copy=False)
+    if relu:
+        np.maximum(out, 0, out=out)
+    return out.astype(W.dtype, copy=False)
+
+
+def linear_backward(h, W, out, dout, relu, need_dh):
+    """Gradients of one layer from the gradient ``dout`` of its output.
+
+    ``h`` is the layer input, ``out`` its (post-activation) output. Returns fp32
+    ``(dW, db, dh)``; ``dh`` is None when not needed (first layer).
+    """
+    d = dout.astype(np.float32, copy=True)
+    if relu:
+        d[out <= 0] = 0
+    dW = h.astype(np.float32, copy=False).T @ d
+    db = d.sum(axis=0)
+    dh = d @ W.astype(np.float32, copy=False).T if need_dh else None
+    return dW, db, dh
+
+
+def softmax_cross_entropy(logits, y, global_batch):
+    """This rank's share of the mean loss over the global batch, and d(share)/d(logits)."""
+    z = logits.astype(np.float32)
+    z = z - z.max(axis=1, keepdims=True)
+    logsum = np.log(np.exp(z).sum(axis=1))
+    rows = np.arange(len(y))
+    loss_share = float((logsum - z[rows, y]).sum()) / global_batch
+    grad = np.exp(z - logsum[:, None])
+    grad[rows, y] -= 1.0
+    grad /= global_batch
+    return loss_share, grad
+
+
+def predict(params, x):
+    """Class predictions of the fp32 model (model-order ``params``) for ``x``."""
+    h = x.astype(np.float32)
+    n = len(params) // 2
+    for i in range(n):
+        h = linear_forward(h, params[2 * i], params[2 * i + 1], relu=i < n - 1)
+    return h.argmax(axis=1)
