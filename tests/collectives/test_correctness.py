@@ -205,3 +205,25 @@ def test_recursive_doubling(pools, n, count):
     for r in range(n):
         assert results[r].tobytes() == results[0].tobytes()
     assert_close(results[0], want, np.float32, "rd")
+
+
+def run_in_place(comm, algorithm):
+    """NCCL's in-place forms: reduce_scatter into this rank's slice of x, all_gather from it."""
+    r, n, m = comm.rank, comm.world_size, 1001
+    x = make_input(r, m * n, np.float32, "sum")
+    keep = x.copy()
+    comm.reduce_scatter(x[r * m:(r + 1) * m], x, algorithm=algorithm)
+    others = np.delete(np.arange(m * n), np.arange(r * m, (r + 1) * m))
+    untouched = bool(np.array_equal(x[others], keep[others]))
+    comm.all_gather(x, x[r * m:(r + 1) * m], algorithm=algorithm)
+    return x, untouched
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("algorithm", ["ring", "ps"])
+def test_in_place_reduce_scatter_then_all_gather(pools, n, algorithm):
+    """Reduce-scatter in place, then all-gather in place, is an all-reduce (ZeRO's pattern)."""
+    want = numpy_reduce([make_input(r, 1001 * n, np.float32, "sum") for r in range(n)], "sum", np.float32)
+    for x, untouched in pools(n).run(run_in_place, algorithm):
+        assert untouched, "in-place reduce_scatter wrote outside this rank's slice"
+        assert_close(x, want, np.float32, f"in-place {algorithm}")
