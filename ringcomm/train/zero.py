@@ -1,0 +1,212 @@
+"""ZeRO stages 1, 2 and 3 (optimizer state, + gradients, + parameters partitioned), with
+optional optimizer offload.
+
+Rank r owns the r-th slice of every unit (see :mod:`.layout`) and keeps optimizer state
+(fp32 master, m, v) for that shard only. Which other state is sharded follows one rule,
+as in llm.c: a category is sharded when ``stage >= shard_at_stage`` — optimizer state at 1,
+gradients at 2, parameters at 3.
+
+- **Backward**: a unit's gradients are *reduce-scattered* as soon as backward has produced
+  them all (asynchronously, overlapping the rest of backward): each rank receives the summed
+  gradient of its own slice. Stage 1 does it in place in its full gradient buffer; stage 2+
+  writes gradients into a short-lived unit buffer and frees it once the reduce-scatter is
+  done.
+- **Step**: Adam on the fp32 shard; the result is cast to the parameter dtype.
+- **Stages 1–2**: the updated shards are *all-gathered* in place, so every rank again holds
+  all parameters. Traffic 2Φ per step, as DDP.
+- **Stage 3**: parameters stay sharded. Before a layer's forward, and again before its
+  backward, its parameters are all-gathered into a temporary buffer, freed right after use;
+  the next layer's gather is issued before the current layer computes (prefetch).
+  Traffic 3Φ per step.
+- **Offload**: the optimizer state (and the step) live in host memory (category
+  ``optimizer_host``); only gradients go down and parameters come back.
+"""
+import numpy as np
+
+from .strategy import Strategy
+
+SHARD_AT_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
+
+
+class Zero(Strategy):
+    def __init__(self, stage, *args, **kwargs):
+        self.stage = stage
+        self.name = f"zero{stage}"
+        self.per_layer_units = stage >= SHARD_AT_STAGE["params"]
+        super().__init__(*args, **kwargs)
+
+    def sharded(self, category):
+        return self.stage >= SHARD_AT_STAGE[category]
+
+    # -- state ----------------------------------------------------------------------------
+    def setup(self, params):
+        lay, r = self.layout, self.rank
+        full = lay.pack(params, self.dtype)
+        if self.sharded("params"):
+            self.param_shard = self.reg.alloc("params", "param shard", lay.shard_total, self.dtype)
+            self.param_shard[...] = lay.own_shard(full, r)
+            self._gathered = {}  # unit index -> (buffer, work)
+        else:
+            self.flat_params = self.reg.alloc("params", "params", lay.total, self.dtype)
+            self.flat_params[...] = full
+            self.params = lay.views(self.flat_params)
+        if self.sharded("grads"):
+            self.grad_shard = self.reg.alloc("grads", "grad shard", lay.shard_total, self.dtype)
+            self._unit_grads = {}  # unit index -> buffer, while its gradients are being produced
+        else:
+            self.flat_grads = self.reg.alloc("grads", "grads", lay.total, self.dtype)
+            self.grads = lay.views(self.flat_grads)
+        if self.mixed:
+            self.master = self.reg.alloc(self.optimizer_category, "master shard", lay.shard_total, np.float32)
+            self.master[...] = lay.own_shard(lay.pack(params, np.float32), r)
+        self.make_optimizer(lay.shard_total)
+        self._remaining = {}
+        self._pending = []  # (unit, work) reduce-scatters in flight
+
+    # -- parameters -----------------------------------------------------------------------
+    def layer_params(self, i, phase):
+        if not self.sharded("params"):
+            return self.params[2 * i], self.params[2 * i + 1]
+        unit = self._layer_unit(i)
+        self._gather(unit)
+        nxt = i + 1 if phase == "forward" else i - 1
+        if 0 <= nxt < self.nlayers:  # prefetch: the next layer's gather runs during this one
+            self._gather(self._layer_unit(nxt), wait=False)
+        buffer, work = self._gathered[unit.index]
+        if work is not None:
+            work.wait()
+            self.trace.comm(f"all_gather L{i} ({phase})", work, bytes=unit.padded * self.dtype.itemsize)
+            self._gathered[unit.index] = (buffer, None)
+        views = self.layout.unit_views(unit, buffer)
+        return views[2 * i], views[2 * i + 1]
+
+    def _layer_unit(self, i):
+        return self.layout.unit_of_param[2 * i]
+
+    def _gather(self, unit, wait=True):
+        if unit.index in self._gathered:
+            return
+        buffer = self.reg.alloc("params", f"gathered unit {unit.index}", unit.padded, self.dtype)
+        mine = buffer[self.rank * unit.shard_size:(self.rank + 1) * unit.shard_size]
+        mine[...] = self.layout.shard_view(self.param_shard, unit)
+        work = self.comm.all_gather(buffer, mine, algorithm="ring", async_op=True)
+        self._gathered[unit.index] = (buffer, work)
+
+    def release_layer(self, i, phase):
+        if self.sharded("params"):
+            unit = self._layer_unit(i)
+            self._gathered.pop(unit.index)
+            self.reg.free(f"gathered unit {unit.index}")
+
+    # -- gradients --------------------------------------------------------------------------
+    def grad_ready(self, p, grad):
+        unit = self.layout.unit_of_param[p]
+        if self.sharded("grads"):
+            if unit.index not in self._unit_grads:
+                self._unit_grads[unit.index] = self.reg.alloc("grads", f"unit grads {unit.index}",
+                                                              unit.padded, self.dtype)
+            self.layout.unit_views(unit, self._unit_grads[unit.index])[p][...] = grad
+        else:
+            self.grads[p][...] = grad
+        if not self._remaining:
+            self._remaining = {u.index: len(u.params) for u in self.layout.units}
+        self._remaining[unit.index] -= 1
+        if self._remaining[unit.index] == 0 and self.cfg.overlap:
+            self._reduce_scatter(unit)
+        self._free_finished()
+
+    def _reduce_scatter(self, unit):
+        if self.sharded("grads"):
+            source = self._unit_grads[unit.index]
+            out = self.layout.shard_view(self.grad_shard, unit)
+        else:  # in place: this rank's slice of the unit receives the sum
+            source = self.flat_grads[unit.start:unit.stop]
+            out = self.flat_grads[slice(*unit.own_range(self.rank))]
+        work = self.comm.reduce_scatter(out, source, algorithm="ring", async_op=True)
+        self._pending.append((unit, work))
+
+    def _free_finished(self, wait=False):
+        """Record finished reduce-scatters; stage 2+ frees their unit buffers right away."""
+        still = []
+        for unit, work in self._pending:
+            if wait:
+                work.wait()
+            if work.is_completed():
+                work.wait()  # raises its error, if any
+                self.trace.comm(f"reduce_scatter unit {unit.index}", work, bytes=unit.padded * self.dtype.itemsize)
+                if self.sharded("grads"):
+                    del self._unit_grads[unit.index]
+                    self.reg.free(f"unit grads {unit.index}")
+            else:
+                still.append((unit, work))
+        self._pending = still
+
+    def finish_backward(self):
+        self._remaining = {}
+        if not self.cfg.overlap:
+            for unit in self.layout.units:
+                self._reduce_scatter(unit)
+        self._free_finished(wait=True)
+
+    # -- optimizer ----------------------------------------------------------------------------
+    def owned_grad32(self):
+        if self.sharded("grads"):
+            return self.grad_shard.astype(np.float32)
+        return self.layout.own_shard(self.flat_grads, self.rank).astype(np.float32)
+
+    def combine_flags(self, flags):
+        self.meta.all_reduce(flags)  # overflow anywhere; squared norm = sum over shards
+        return flags[0], flags[1]
+
+    def master_pieces(self):
+        lay = self.layout
+        if self.mixed:
+            return [(self.master, 0, lay.shard_total)]
+        if self.sharded("params"):
+            return [(self.param_shard, 0, lay.shard_total)]
+        return [(self.flat_params[slice(*u.own_range(self.rank))], u.shard_start, u.shard_start + u.shard_size)
+                for u in lay.units]
+
+    def write_back(self):
+        if not self.mixed:
+            return
+        if self.sharded("params"):
+            self.param_shard[...] = self.master
+        else:
+            self.layout.scatter_shard(self.master, self.flat_params, self.rank)
+
+    def publish(self, skipped):
+        if self.sharded("params") or skipped:
+            return
+        works = []
+        for unit in self.layout.units:
+            full = self.flat_params[unit.start:unit.stop]
+            mine = self.flat_params[slice(*unit.own_range(self.rank))]
+            works.append((unit, self.comm.all_gather(full, mine, algorithm="ring", async_op=True)))
+        for unit, work in works:
+            work.wait()
+            self.trace.comm(f"all_gather params unit {unit.index}", work)
+
+    # -- reporting --------------------------------------------------------------------------
+    def full_params(self):
+        lay = self.layout
+        if self.mixed:
+            shard = self.master
+        elif self.sharded("params"):
+            shard = self.param_shard.astype(np.float32)
+        else:
+            return [v.astype(np.float32) for v in lay.views(self.flat_params)]
+        full = np.zeros(lay.total, np.float32)
+        for unit in lay.units:
+            self.meta.all_gather(full[unit.start:unit.stop], np.ascontiguousarray(lay.shard_view(shard, unit)))
+        return [v.copy() for v in lay.views(full)]
+
+    def predicted_sent_per_step(self, rank):
+        phi, n, e = self.layout.num_params, self.n, self.dtype.itemsize
+        return (3 if self.sharded("params") else 2) * (n - 1) / n * phi * e
+
+    def state(self):
+        out = {"master": (self.master if self.mixed else
+                          self.param_shard if self.sharded("params") else
+                          self.layout.own_shard(self.flat_params, self.rank)).copy()}
+        return {**out, **self.optimizer.state()}
