@@ -4,8 +4,8 @@ Usage::
 
     python -m ringcomm.launch [options] [script.py args... | -m module args...]
 
-With neither a script nor ``-m``, the project's main job ``-m ringcomm.selfcheck``
-(``DEFAULT_MODULE``) is run.  Everything after the script path or the module
+With neither a script nor ``-m``, the project's main job ``-m ringcomm.train --main-job``
+(``DEFAULT_MODULE``, ``DEFAULT_ARGS``: ZeRO-2 fp16 training) is run.  Everything after the script path or the module
 name is handed to every worker unchanged, so ``train.py --lr 0.1`` reaches the
 worker as ``sys.argv[1:] == ["--lr", "0.1"]``.
 
@@ -45,7 +45,8 @@ a failure, 130 on SIGINT and 143 on SIGTERM (forwarded to workers as SIGTERM).
 
 Examples::
 
-    python -m ringcomm.launch --nproc 4                    # run ringcomm.selfcheck
+    python -m ringcomm.launch --nproc 4                    # the main job (ZeRO-2 training)
+    python -m ringcomm.launch --nproc 4 -m ringcomm.selfcheck   # check every collective
     python -m ringcomm.launch --nproc 2 train.py --lr 0.1
     RINGCOMM_SECRET=... python -m ringcomm.launch --nnodes 2 --node-rank 0 \\
         --nproc 8 --master-addr 10.0.0.1 --master-port 29500 -m mypkg.train
@@ -66,7 +67,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-DEFAULT_MODULE = "ringcomm.selfcheck"
+DEFAULT_MODULE = "ringcomm.train"
+DEFAULT_ARGS = ("--main-job",)
 DEFAULT_MULTINODE_PORT = 29500
 GRACE_PERIOD_S = 3.0
 POLL_INTERVAL_S = 0.05
@@ -188,7 +190,7 @@ def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
     parser, takes_value = _build_parser()
     own, rest = _split_argv(argv, takes_value)
     ns = parser.parse_args(own)
-    script, module, args = None, DEFAULT_MODULE, []
+    script, module, args = None, DEFAULT_MODULE, list(DEFAULT_ARGS)
     if rest and rest[0].startswith("-m"):
         module = rest[0][2:] or (rest[1] if len(rest) > 1 else "")
         args = rest[1:] if rest[0] != "-m" else rest[2:]

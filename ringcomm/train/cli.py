@@ -29,8 +29,8 @@ from .trace import Tracer
 from .zero import Zero
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "zero3")
-MAIN_JOB = dict(strategy="zero2", precision="fp16", steps=300, batch_size=512, layers="64,512,512,512,10",
-                lr=2e-3, samples=16384)
+MAIN_JOB = dict(strategy="zero2", precision="fp16", steps=400, batch_size=512, layers="64,512,512,512,10",
+                lr=2e-3, samples=32768)
 
 
 @dataclass
@@ -121,7 +121,10 @@ def load_data(cfg):
 
 
 def train(comm, cfg, out=print):
-    """Run ``cfg`` on this rank; returns the metrics document (complete on rank 0)."""
+    """Run ``cfg`` on this rank; returns ``(metrics document, strategy)``.
+
+    The document is the same on every rank (``per_rank`` gathered everywhere); the strategy
+    holds this rank's final model state."""
     rank, n = comm.rank, comm.world_size
     if cfg.strategy == "single" and n != 1:
         raise ValueError("--strategy single is the one-process reference; launch it with --nproc 1")
@@ -164,7 +167,7 @@ def train(comm, cfg, out=print):
     if cfg.trace:
         tracer.write(cfg.trace)
     meta.close()
-    return document
+    return document, strategy
 
 
 def main(argv=None):

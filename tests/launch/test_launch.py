@@ -320,13 +320,13 @@ def test_output_prefix_and_partial_line(tmp_path):
     assert res.returncode == 0 and res.stdout == "hello\ntail without newline"
 
 
-def test_parse_defaults_to_selfcheck(monkeypatch):
+def test_parse_defaults_to_the_main_job(monkeypatch):
     for key in SCRUBBED:
         monkeypatch.delenv(key, raising=False)
     cfg = launch.parse_args(["--nproc", "2"])
-    assert cfg.module == launch.DEFAULT_MODULE == "ringcomm.selfcheck"
-    assert cfg.script is None and cfg.args == [] and cfg.auto_port
-    assert cfg.command()[-2:] == ["-m", "ringcomm.selfcheck"]
+    assert cfg.module == launch.DEFAULT_MODULE == "ringcomm.train"
+    assert cfg.script is None and cfg.args == ["--main-job"] and cfg.auto_port
+    assert cfg.command()[-3:] == ["-m", "ringcomm.train", "--main-job"]
     env = launch.worker_env(cfg, 1, restart_count=3, base_env={})
     assert env["RANK"] == "1" and env["RINGCOMM_RESTART_COUNT"] == "3"
 

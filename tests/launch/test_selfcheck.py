@@ -96,8 +96,9 @@ def test_quick_selfcheck_passes(tmp_path, nproc):
 
 
 @pytest.mark.timeout(60)
-def test_launcher_without_script_runs_selfcheck():
-    result = launch("--nproc", 2, timeout=55)
+def test_selfcheck_full_default():
+    """The full self-check (no --quick), as a user runs it: -m ringcomm.selfcheck."""
+    result = launch("--nproc", 2, "-m", "ringcomm.selfcheck", timeout=55)
     assert result.returncode == 0, explain(result)
     lines = rank0_lines(result.stdout)
     assert lines[0].startswith("ringcomm selfcheck: 2 ranks")
