@@ -26,6 +26,7 @@ import numpy as np
 from .strategy import Strategy
 
 SHARD_AT_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
+MAX_UNITS_IN_FLIGHT = 2  # stage 2+: reduce-scatters whose unit buffers may be alive at once
 
 
 class Zero(Strategy):
@@ -103,6 +104,11 @@ class Zero(Strategy):
         unit = self.layout.unit_of_param[p]
         if self.sharded("grads"):
             if unit.index not in self._unit_grads:
+                # bound the unit buffers alive at once, so the gradient memory stays near
+                # the shard plus a couple of units however slow the network is
+                while len(self._pending) >= MAX_UNITS_IN_FLIGHT:
+                    self._pending[0][1].wait()
+                    self._free_finished()
                 self._unit_grads[unit.index] = self.reg.alloc("grads", f"unit grads {unit.index}",
                                                               unit.padded, self.dtype)
             self.layout.unit_views(unit, self._unit_grads[unit.index])[p][...] = grad
