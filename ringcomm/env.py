@@ -10,7 +10,8 @@ Read from the environment that a launcher leaves, in this order:
 ``MASTER_ADDR`` (default 127.0.0.1) and ``MASTER_PORT`` name rank 0's rendezvous. Settings:
 ``RINGCOMM_TIMEOUT`` (seconds, default 300), ``RINGCOMM_SEGMENT_BYTES`` (default 512 KiB),
 ``RINGCOMM_SECRET`` (the job secret; ``ringcomm.launch`` generates one),
-``RINGCOMM_TRANSPORT=tcp`` (TCP even between ranks of one host).
+``RINGCOMM_TRANSPORT=tcp`` (TCP even between ranks of one host), ``RINGCOMM_ENCRYPT=1``
+(CURVE encryption of every peer connection; see :mod:`ringcomm.transport.security`).
 """
 import hashlib
 import os
@@ -41,6 +42,7 @@ class JobInfo:
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     secret: str = ""
     force_tcp: bool = False
+    encrypt: bool = False
 
 
 def _int(environ, name, default=None):
@@ -80,6 +82,7 @@ def from_environ(environ=None):
     info.secret = environ.get("RINGCOMM_SECRET") or hashlib.sha256(
         f"ringcomm:{info.master_addr}:{info.master_port}".encode()).hexdigest()[:32]
     info.force_tcp = environ.get("RINGCOMM_TRANSPORT", "").lower() == "tcp"
+    info.encrypt = environ.get("RINGCOMM_ENCRYPT", "").lower() in ("1", "true", "yes", "on")
     return info
 
 

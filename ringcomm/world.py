@@ -9,18 +9,21 @@ from .transport.local import LocalHub
 
 
 def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_port=None,
-         segment_bytes=None):
+         segment_bytes=None, encrypt=None):
     """Join the job and return the world :class:`~ringcomm.comm.Communicator`.
 
     Reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; or those of ``mpirun`` or
     ``srun``, see :mod:`ringcomm.env`); keyword arguments override it. ``timeout`` (seconds,
-    default ``RINGCOMM_TIMEOUT`` or 300) bounds every wait. Returns after every rank joined
+    default ``RINGCOMM_TIMEOUT`` or 300) bounds every wait. ``encrypt`` (default
+    ``RINGCOMM_ENCRYPT``) turns on CURVE encryption of every peer connection; either way a
+    peer must prove the job secret (``RINGCOMM_SECRET``). Returns after every rank joined
     and a barrier passed. Without any launcher it returns a 1-rank world.
     """
     info = env.from_environ()
     overrides = dict(rank=rank, world_size=world_size, master_addr=master_addr,
-                     master_port=master_port, timeout=timeout, segment_bytes=segment_bytes)
+                     master_port=master_port, timeout=timeout, segment_bytes=segment_bytes,
+                     encrypt=encrypt)
     info = dataclasses.replace(info, **{k: v for k, v in overrides.items() if v is not None})
     env.validate(info)
     if info.world_size == 1:

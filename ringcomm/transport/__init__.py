@@ -1,8 +1,11 @@
 """Transports: how bytes move between ranks. See :mod:`.base` for the interface,
 :mod:`.zmq_transport` for the real one, :mod:`.local` for unit tests."""
+import time
+
 import zmq
 
 from . import rendezvous
+from .security import Guard
 from .zmq_transport import ZmqTransport
 
 
@@ -12,17 +15,27 @@ def connect(info):
     ``info`` is a :class:`ringcomm.env.JobInfo`. Returns a :class:`ZmqTransport`.
     """
     context = zmq.Context()
-    pull = None
+    pull = guard = None
     try:
-        pull, entry = rendezvous.bind_pull(context, info.master_addr, info.segment_bytes + 8192)
+        guard = Guard(context, info.secret, info.encrypt)
+        pull, entry = rendezvous.bind_pull(context, info.master_addr, info.segment_bytes + 8192, guard)
         settings = {"segment_bytes": info.segment_bytes}
         table = rendezvous.exchange(context, info.rank, info.world_size, info.master_addr,
                                     info.master_port, entry, settings, info.secret, info.timeout)
         endpoints = rendezvous.endpoints_for(entry, table, info.force_tcp)
-        return ZmqTransport(info.rank, info.world_size, context, pull, endpoints,
-                            cleanup=[entry["ipc"][len("ipc://"):]])
+        transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints, guard=guard,
+                                 cleanup=[entry["ipc"][len("ipc://"):]])
+        transport.local_endpoints = {"ipc": entry["ipc"], "tcp": entry["tcp"]}
+        try:
+            transport.await_connections(time.monotonic() + info.timeout)
+        except BaseException:
+            transport.close()
+            raise
+        return transport
     except BaseException:
         if pull is not None:
             pull.close(0)
+        if guard is not None:
+            guard.stop()
         context.destroy(0)
         raise

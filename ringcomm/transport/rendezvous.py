@@ -50,9 +50,12 @@ def local_ip(master_addr):
         return probe.getsockname()[0]
 
 
-def bind_pull(context, master_addr, max_message_bytes):
-    """This rank's inbound socket, bound to an ipc path and a TCP port; and its table entry."""
+def bind_pull(context, master_addr, max_message_bytes, guard=None):
+    """This rank's inbound socket, bound to an ipc path and a TCP port; and its table entry.
+    ``guard`` (a :class:`~.security.Guard`) makes it refuse peers without the job secret."""
     pull = context.socket(zmq.PULL)
+    if guard is not None:
+        guard.server(pull)
     pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     pull.setsockopt(zmq.LINGER, 0)
     ip = local_ip(master_addr)

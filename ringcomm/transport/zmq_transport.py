@@ -22,14 +22,18 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import CommTimeout, FrameError, PeerLost
+from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
 from .frame import Kind
 
 log = logging.getLogger(__name__)
 
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
+                   zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                   zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class ZmqTransport(Transport):
@@ -39,10 +43,11 @@ class ZmqTransport(Transport):
     """
 
     def __init__(self, rank, world_size, context, pull, endpoints, grace=1.0, close_wait=30.0,
-                 cleanup=()):
+                 cleanup=(), guard=None):
         super().__init__(rank, world_size)
         self._ctx, self._pull = context, pull
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
+        self._guard = guard
         self.grace, self.close_wait = grace, close_wait
         self._poller = zmq.Poller()
         self._poller.register(pull, zmq.POLLIN)
@@ -53,6 +58,8 @@ class ZmqTransport(Transport):
             sock = context.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
+            if guard is not None:
+                guard.client(sock)
             monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
             sock.connect(endpoint)
             self._push[peer] = sock
@@ -61,16 +68,34 @@ class ZmqTransport(Transport):
         self._in_flight = collections.deque()  # MessageTrackers of zero-copy sends
         self._said_bye = set()
         self._gone_since = {}  # peer -> time its connection dropped
+        self._ready = set()  # peers whose connection completed the security handshake
+        self._refused = {}   # peer -> handshake failure event
         self.rejected = 0
+
+    def await_connections(self, deadline):
+        """Block until every peer connection completed its handshake (secret proven)."""
+        while len(self._ready) < len(self._push):
+            if self._refused:
+                peer = next(iter(self._refused))
+                raise CommError(f"rank {self.rank}: rank {peer} refused the connection "
+                                f"(handshake failed: the ranks do not share the job secret "
+                                f"RINGCOMM_SECRET, or disagree on RINGCOMM_ENCRYPT)")
+            if time.monotonic() > deadline:
+                missing = sorted(set(self._push) - self._ready)
+                raise CommTimeout(f"rank {self.rank}: no secure connection to ranks {missing}")
+            self._pump(0.05)
 
     # -- sending -------------------------------------------------------------------------
     def _post(self, dst, header, payload):
         sock = self._push[dst]
-        if memoryview(payload).nbytes >= zmq.COPY_THRESHOLD:
-            tracker = sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False, track=True)
-            self._in_flight.append(tracker)
-        else:
-            sock.send_multipart([header, payload], zmq.NOBLOCK)
+        try:
+            if memoryview(payload).nbytes >= zmq.COPY_THRESHOLD:
+                tracker = sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False, track=True)
+                self._in_flight.append(tracker)
+            else:
+                sock.send_multipart([header, payload], zmq.NOBLOCK)
+        except zmq.Again:  # no high-water mark: only a connection that is gone does this
+            raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: not connected", rank=dst) from None
 
     def flush(self, deadline, what):
         while self._in_flight:
@@ -115,8 +140,11 @@ class ZmqTransport(Transport):
         peer = self._monitor_peer[monitor]
         if event == zmq.EVENT_DISCONNECTED:
             self._gone_since.setdefault(peer, time.monotonic())
-        elif event == zmq.EVENT_CONNECTED:
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._gone_since.pop(peer, None)
+            self._ready.add(peer)
+        elif event in _HANDSHAKE_FAILED:
+            self._refused[peer] = event
 
     def _check_peers(self, what, src=None):
         if src in self._said_bye:
@@ -154,6 +182,8 @@ class ZmqTransport(Transport):
         for monitor in self._monitor_peer:
             monitor.close(linger=0)
         self._pull.close(linger=0)
+        if self._guard is not None:
+            self._guard.stop()
         self._ctx.term()
         for path in self._cleanup:
             try:
