@@ -30,24 +30,30 @@ from .algorithms import ps, rd, ring
 from .algorithms.chunks import segments
 from .engine import Deferred
 from .errors import CollectiveMismatch, CommError, SignatureMismatch
-from .link import Link, Stats
+from .link import HOST, Link, Stats
 from .ops import parse_op
 
 ALGORITHMS = ("auto", "ring", "ps", "rd")
 SMALL_MESSAGE_BYTES = 64 * 1024  # "auto" uses few-hop schedules at or below this size
 
 
-def _check_array(x, name, writable=True):
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+def _check_array(x, name, writable=True, device=None):
+    if not isinstance(x, np.ndarray) and not (device is not None and device.is_array(x)):
+        raise TypeError(f"{name} must be a numpy array{' or a CuPy array on this device' if device and device.kind == 'gpu' else ''}, "
+                        f"got {type(x).__name__}")
     if not signature.dtype_supported(x.dtype):
         names = ", ".join(d.name for d in signature.DTYPES)
         raise TypeError(f"{name} has unsupported dtype {x.dtype}; supported: {names}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
-    if writable and not x.flags.writeable:
+    if writable and not getattr(x.flags, "writeable", True):
         raise ValueError(f"{name} is read-only, but this collective writes into it")
     return x.reshape(-1)
+
+
+def _address(a):
+    """Start address of an array's data (numpy or CuPy)."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
 
 class Communicator:
@@ -58,14 +64,16 @@ class Communicator:
     group's members as global ranks.
     """
 
-    def __init__(self, engine, ranks, rank, comm_id, name, timeout, segment_bytes, is_world):
+    def __init__(self, engine, ranks, rank, comm_id, name, timeout, segment_bytes, is_world,
+                 device=None):
         self._engine = engine
+        self._device = device or HOST
         self.ranks = tuple(ranks)
         self.rank = rank
         self.world_size = len(ranks)
         self.comm_id, self.name = comm_id, name
         self.timeout, self.segment_bytes = timeout, segment_bytes
-        self.device = "cpu"
+        self.device = self._device.kind  # "cpu", "gpu" or "emulated"
         self._is_world = is_world
         self._seq = 0
         self._p2p_seq = defaultdict(int)
@@ -83,13 +91,13 @@ class Communicator:
         >>> x = np.array([rank + 1.0])       # rank 0: [1.], rank 1: [2.]
         >>> comm.all_reduce(x, op="sum")     # both: [3.]
         """
-        flat = _check_array(x, "x")
+        flat = self._check_array(x, "x")
         op = parse_op(op, x.dtype)
         algo = self._algorithm(algorithm, "all_reduce", x.nbytes)
         body = {"ring": lambda link: ring.all_reduce(link, flat, op, link.segment_bytes),
                 "ps": lambda link: ps.all_reduce(link, flat, op),
                 "rd": lambda link: rd.all_reduce(link, flat, op)}[algo]
-        return self._submit("all_reduce", body, x.dtype, x.size, op, algo, 0, async_op, x)
+        return self._submit("all_reduce", body, x.dtype, x.size, op, algo, 0, async_op, x, staged=x)
 
     def reduce_scatter(self, out, x, op="sum", algorithm="auto", async_op=False):
         """``out`` gets the reduced slice ``[rank*out.size:(rank+1)*out.size]`` of flat ``x``
@@ -100,13 +108,13 @@ class Communicator:
         >>> x = np.arange(4.0)               # on both of 2 ranks
         >>> comm.reduce_scatter(out, x)      # rank 0: out == [0., 2.], rank 1: [4., 6.]
         """
-        flat_out, flat = _check_array(out, "out"), _check_array(x, "x", writable=False)
+        flat_out, flat = self._check_array(out, "out"), self._check_array(x, "x", writable=False)
         self._check_pair(out, x, x.size, self.world_size * out.size, "x.size", "world_size * out.size")
         op = parse_op(op, x.dtype)
         algo = self._algorithm(algorithm, "reduce_scatter", x.nbytes)
         body = {"ring": lambda link: ring.reduce_scatter(link, flat_out, flat, op, link.segment_bytes),
                 "ps": lambda link: ps.reduce_scatter(link, flat_out, flat, op)}[algo]
-        return self._submit("reduce_scatter", body, x.dtype, x.size, op, algo, 0, async_op, out)
+        return self._submit("reduce_scatter", body, x.dtype, x.size, op, algo, 0, async_op, out, staged=x)
 
     def all_gather(self, out, x, algorithm="auto", async_op=False):
         """``out`` gets every rank's ``x`` in rank order (``out.size == world_size * x.size``).
@@ -115,12 +123,12 @@ class Communicator:
         >>> x = np.array([rank])             # rank 0: [0], rank 1: [1]
         >>> comm.all_gather(out, x)          # both: out == [0, 1]
         """
-        flat_out, flat = _check_array(out, "out"), _check_array(x, "x", writable=False)
+        flat_out, flat = self._check_array(out, "out"), self._check_array(x, "x", writable=False)
         self._check_pair(out, x, out.size, self.world_size * x.size, "out.size", "world_size * x.size")
         algo = self._algorithm(algorithm, "all_gather", out.nbytes)
         body = {"ring": lambda link: ring.all_gather(link, flat_out, flat, link.segment_bytes),
                 "ps": lambda link: ps.all_gather(link, flat_out, flat)}[algo]
-        return self._submit("all_gather", body, x.dtype, x.size, None, algo, 0, async_op, out)
+        return self._submit("all_gather", body, x.dtype, x.size, None, algo, 0, async_op, out, staged=x)
 
     def broadcast(self, x, root=0, algorithm="auto", async_op=False):
         """In place: every rank's ``x`` becomes ``root``'s ``x``. Returns ``x``.
@@ -128,12 +136,12 @@ class Communicator:
         >>> x = np.array([7.0]) if rank == 0 else np.zeros(1)
         >>> comm.broadcast(x, root=0)        # every rank: [7.]
         """
-        flat = _check_array(x, "x", writable=self.world_size > 1)
+        flat = self._check_array(x, "x", writable=self.world_size > 1)
         self._check_root(root)
         algo = self._algorithm(algorithm, "broadcast", x.nbytes)
         body = {"ring": lambda link: ring.broadcast(link, flat, root, link.segment_bytes),
                 "ps": lambda link: ps.broadcast(link, flat, root)}[algo]
-        return self._submit("broadcast", body, x.dtype, x.size, None, algo, root, async_op, x)
+        return self._submit("broadcast", body, x.dtype, x.size, None, algo, root, async_op, x, staged=x)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto", async_op=False):
         """``x`` on ``root`` becomes ``op`` over all ranks; ``x`` elsewhere is unchanged.
@@ -141,13 +149,13 @@ class Communicator:
         >>> x = np.array([rank + 1.0])
         >>> comm.reduce(x, root=1)           # rank 1: [3.]; rank 0 still [1.]
         """
-        flat = _check_array(x, "x")
+        flat = self._check_array(x, "x")
         self._check_root(root)
         op = parse_op(op, x.dtype)
         algo = self._algorithm(algorithm, "reduce", x.nbytes)
         body = {"ring": lambda link: ring.reduce(link, flat, root, op, link.segment_bytes),
                 "ps": lambda link: ps.reduce(link, flat, root, op)}[algo]
-        return self._submit("reduce", body, x.dtype, x.size, op, algo, root, async_op, x)
+        return self._submit("reduce", body, x.dtype, x.size, op, algo, root, async_op, x, staged=x)
 
     def barrier(self, algorithm="auto", async_op=False):
         """Returns once every rank of the group has entered. ``auto``: dissemination
@@ -164,19 +172,19 @@ class Communicator:
     def send(self, x, dst, tag=0, async_op=False):
         """Send ``x`` to rank ``dst``; the matching :meth:`recv` names this rank and ``tag``.
         Returns once ``x`` may be modified again (not when it was received)."""
-        flat = _check_array(x, "x", writable=False)
+        flat = self._check_array(x, "x", writable=False)
         self._check_peer(dst, "dst", tag)
 
         def body(link):
             for j, sl in enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)):
                 link.send(dst, tag, j, flat[sl])
         return self._submit("send", body, x.dtype, x.size, None, None, 0, async_op, None,
-                            p2p=("to", dst, tag))
+                            p2p=("to", dst, tag), staged=x)
 
     def recv(self, x, src, tag=0, async_op=False):
         """In place: ``x`` gets what rank ``src`` sent with ``tag`` (same dtype and size).
         Returns ``x``."""
-        flat = _check_array(x, "x")
+        flat = self._check_array(x, "x")
         self._check_peer(src, "src", tag)
 
         def body(link):
@@ -197,7 +205,7 @@ class Communicator:
                 return True
             return Deferred(progress, x)
         return self._submit("send", body, x.dtype, x.size, None, None, 0, async_op, x,
-                            p2p=("from", src, tag))
+                            p2p=("from", src, tag), staged=x)
 
     # -- groups, statistics, closing -------------------------------------------------------
     def new_group(self, ranks):
@@ -225,7 +233,8 @@ class Communicator:
         if self.rank not in members:
             return None
         return Communicator(self._engine, [self.ranks[r] for r in members], members.index(self.rank),
-                            digest or 1, f"group{members}", self.timeout, self.segment_bytes, False)
+                            digest or 1, f"group{members}", self.timeout, self.segment_bytes, False,
+                            self._device)
 
     def stats(self):
         """Payload bytes and messages this rank sent and received on this communicator."""
@@ -253,6 +262,9 @@ class Communicator:
         return f"<Communicator {self.name} rank {self.rank}/{self.world_size}>"
 
     # -- internals -------------------------------------------------------------------------
+    def _check_array(self, x, name, writable=True):
+        return _check_array(x, name, writable, self._device)
+
     def _check_open(self):
         if self._closed or self._engine.closed:
             raise CommError(f"{self.name}: communicator is closed")
@@ -273,7 +285,9 @@ class Communicator:
             raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}; they must match")
         if got != want:
             raise ValueError(f"{got_name} = {got} but {want_name} = {want}")
-        if np.shares_memory(out, x) and not self._in_place(out, x):
+        if type(out) is not type(x):
+            raise TypeError(f"out is a {type(out).__name__}, x a {type(x).__name__}; they must match")
+        if self._overlap(out, x) and not self._in_place(out, x):
             raise ValueError("out and x overlap; they may only overlap in place, with the small "
                              "buffer being exactly this rank's slice of the large one")
 
@@ -282,7 +296,14 @@ class Communicator:
         all_gather with ``x`` = this rank's slice of ``out``."""
         big, small = (x, out) if x.size > out.size else (out, x)
         offset = self.rank * small.size * small.itemsize
-        return small.ctypes.data == big.ctypes.data + offset
+        return _address(small) == _address(big) + offset
+
+    @staticmethod
+    def _overlap(a, b):
+        if isinstance(a, np.ndarray):
+            return np.shares_memory(a, b)
+        lo_a, lo_b = _address(a), _address(b)
+        return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
 
     def _algorithm(self, algorithm, collective, nbytes):
         if algorithm not in ALGORITHMS:
@@ -300,9 +321,13 @@ class Communicator:
             return "ps"
         return "ring"
 
-    def _submit(self, collective, body, dtype, count, op, algorithm, root, async_op, result, p2p=None):
-        """Queue ``body(link)`` on the communication thread as one collective call."""
+    def _submit(self, collective, body, dtype, count, op, algorithm, root, async_op, result, p2p=None,
+                staged=None):
+        """Queue ``body(link)`` on the communication thread as one collective call.
+        ``staged``: an array of the call; a device array makes the link stage segments."""
         self._check_open()
+        device = self._device if self._device.staged and staged is not None and \
+            self._device.is_array(staged) else HOST
         sig = signature.pack(collective, dtype, op, algorithm, root, count)
         engine = self._engine
         with engine.lock:
@@ -319,7 +344,8 @@ class Communicator:
 
             def run(transport):
                 link = Link(transport, self.ranks, self.rank, self.comm_id, space, seq, sig, dtype,
-                            self.segment_bytes, time.monotonic() + self.timeout, what, self._stats)
+                            self.segment_bytes, time.monotonic() + self.timeout, what, self._stats,
+                            device)
                 failed = True
                 try:
                     if space == 0:  # an earlier collective may have failed elsewhere

@@ -20,6 +20,7 @@ Options (dash and underscore spellings are both accepted):
   --max-restarts K      on a failure stop all workers and start them all again,
                         at most K times (single node only), default 0
   --timeout SECONDS     collective deadline, exported as RINGCOMM_TIMEOUT
+  --device KIND         auto | cpu | gpu | emulated, exported as RINGCOMM_DEVICE
   --no-prefix           let workers write straight to the launcher's terminal
 
 Environment of each worker (on top of the launcher's own):
@@ -28,7 +29,7 @@ Environment of each worker (on top of the launcher's own):
   LOCAL_WORLD_SIZE = nproc, GROUP_RANK = node_rank, MASTER_ADDR, MASTER_PORT,
   TORCHELASTIC_RESTART_COUNT and RINGCOMM_RESTART_COUNT (attempt number, from 0),
   PYTHONUNBUFFERED=1, OMP_NUM_THREADS=1 (only if nproc > 1 and it is not set),
-  RINGCOMM_TIMEOUT (only with --timeout), and RINGCOMM_SECRET: taken from the
+  RINGCOMM_TIMEOUT (only with --timeout), RINGCOMM_DEVICE (only with --device), and RINGCOMM_SECRET: taken from the
   launcher's environment if set, else random (single node) or, with several
   nodes, derived from master address and port (a warning asks you to set it).
 
@@ -110,6 +111,7 @@ class LaunchConfig:
     auto_port: bool = False  # port was picked here: pick a fresh one per restart
     max_restarts: int = 0
     timeout: float | None = None
+    device: str | None = None
     prefix: bool = True
     script: str | None = None
     module: str | None = DEFAULT_MODULE
@@ -158,6 +160,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
         add("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
             default=0, help="restart the whole group up to K times"),
         add("--timeout", type=float, help="collective deadline (RINGCOMM_TIMEOUT)"),
+        add("--device", choices=("auto", "cpu", "gpu", "emulated"),
+            help="each worker's device: GPU LOCAL_RANK %% count (RINGCOMM_DEVICE)"),
     ]
     add("--no-prefix", "--no_prefix", dest="prefix", action="store_false",
         help="do not prefix worker output with [rank R]:")
@@ -235,7 +239,7 @@ def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
 
     return LaunchConfig(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
                         master_addr=addr, master_port=port, auto_port=auto_port,
-                        max_restarts=ns.max_restarts, timeout=ns.timeout,
+                        max_restarts=ns.max_restarts, timeout=ns.timeout, device=ns.device,
                         prefix=ns.prefix, script=script, module=module, args=args,
                         secret=secret)
 
@@ -261,6 +265,8 @@ def worker_env(cfg: LaunchConfig, local_rank: int, restart_count: int = 0,
         env["OMP_NUM_THREADS"] = "1"
     if cfg.timeout is not None:
         env["RINGCOMM_TIMEOUT"] = f"{cfg.timeout:g}"
+    if cfg.device is not None:
+        env["RINGCOMM_DEVICE"] = cfg.device
     return env
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .device import HostDevice
 from .errors import CollectiveMismatch
 from .transport.frame import Key
 
@@ -29,9 +30,12 @@ class Stats:
         return dict(self.__dict__)
 
 
+HOST = HostDevice()
+
+
 class Link:
     def __init__(self, transport, ranks, rank, comm_id, space, seq, sig, dtype,
-                 segment_bytes, deadline, what, stats):
+                 segment_bytes, deadline, what, stats, device=HOST):
         self.transport = transport
         self.ranks = ranks          # group rank -> global rank
         self.rank = rank            # this process's group rank
@@ -40,18 +44,22 @@ class Link:
         self.dtype = np.dtype(dtype)
         self.segment_bytes = segment_bytes
         self.deadline, self.what, self.stats = deadline, what, stats
+        self.device = device  # stages device segments through pinned host slots
 
     def send(self, peer, step, segment, array):
         """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
         zero-copy: do not modify them before the collective ends."""
         key = Key(self.comm_id, self.space, self.seq, step, segment)
-        self.transport.send(self.ranks[peer], key, self.sig, array.view(np.uint8))
+        host, slot = self.device.stage_out(array)
+        tracker = self.transport.send(self.ranks[peer], key, self.sig, host.view(np.uint8))
+        self.device.sent(slot, tracker)
         self.stats.bytes_sent += array.nbytes
         self.stats.messages_sent += 1
 
     def recv(self, peer, step, segment, count, wait=True):
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
-        array over the received buffer. With ``wait=False``: ``None`` if not arrived yet."""
+        array over the received buffer (on the device, for device collectives). With
+        ``wait=False``: ``None`` if not arrived yet."""
         key = Key(self.comm_id, self.space, self.seq, step, segment)
         get = self.transport.recv if wait else self.transport.poll
         payload = get(self.ranks[peer], key, self.sig, self.deadline, self.what)
@@ -65,4 +73,4 @@ class Link:
                 f"{count} x {self.dtype.name} = {count * self.dtype.itemsize} bytes")
         self.stats.bytes_received += nbytes
         self.stats.messages_received += 1
-        return np.frombuffer(payload, self.dtype, count)
+        return self.device.stage_in(np.frombuffer(payload, self.dtype, count))

@@ -4,12 +4,13 @@ import dataclasses
 
 from . import env
 from .comm import Communicator
+from .device import select as select_device
 from .engine import Engine
 from .transport.local import LocalHub
 
 
 def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_port=None,
-         segment_bytes=None, encrypt=None):
+         segment_bytes=None, encrypt=None, device=None):
     """Join the job and return the world :class:`~ringcomm.comm.Communicator`.
 
     Reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
@@ -17,7 +18,10 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     ``srun``, see :mod:`ringcomm.env`); keyword arguments override it. ``timeout`` (seconds,
     default ``RINGCOMM_TIMEOUT`` or 300) bounds every wait. ``encrypt`` (default
     ``RINGCOMM_ENCRYPT``) turns on CURVE encryption of every peer connection; either way a
-    peer must prove the job secret (``RINGCOMM_SECRET``). Returns after every rank joined
+    peer must prove the job secret (``RINGCOMM_SECRET``). ``device``: ``"auto"`` (default,
+    or ``RINGCOMM_DEVICE``: GPU ``LOCAL_RANK % device_count`` if CuPy sees one, else the
+    CPU), ``"cpu"``, ``"gpu"``, ``"emulated"`` (CPU arrays through the GPU staging path, for
+    tests); ``comm.device`` says which. Returns after every rank joined
     and a barrier passed. Without any launcher it returns a 1-rank world.
     """
     info = env.from_environ()
@@ -31,8 +35,9 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     else:
         from .transport import connect
         engine = Engine(lambda: connect(info), name=f"ringcomm-comm-{info.rank}")
+    dev = select_device(device, info.local_rank, slot_bytes=info.segment_bytes)
     comm = Communicator(engine, range(info.world_size), info.rank, 0, "world",
-                        info.timeout, info.segment_bytes, is_world=True)
+                        info.timeout, info.segment_bytes, is_world=True, device=dev)
     comm.local_rank, comm.local_world_size = info.local_rank, info.local_world_size
     atexit.register(comm.close)
     if info.world_size > 1:

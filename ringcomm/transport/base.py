@@ -24,7 +24,8 @@ class Transport(ABC):
     @abstractmethod
     def _post(self, dst, header, payload):
         """Queue one message for ``dst``; must not block. ``payload`` stays untouched by
-        the caller until :meth:`flush` returns."""
+        the caller until :meth:`flush` returns. Returns a tracker (``.done``, ``.wait()``)
+        when ZeroMQ reads ``payload`` in place, ``None`` when it was copied."""
 
     @abstractmethod
     def _pump(self, timeout):
@@ -41,9 +42,10 @@ class Transport(ABC):
 
     # -- the shared part ---------------------------------------------------------------
     def send(self, dst, key, sig, payload):
-        """Send ``payload`` (a contiguous array or bytes) to global rank ``dst``."""
+        """Send ``payload`` (a contiguous array or bytes) to global rank ``dst``; returns
+        the tracker of a zero-copy send, else ``None``."""
         nbytes = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
-        self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload)
+        return self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload)
 
     def pump(self, timeout):
         """Let arrived messages in (used by the engine while deferred work waits)."""

@@ -92,8 +92,9 @@ class ZmqTransport(Transport):
             if memoryview(payload).nbytes >= zmq.COPY_THRESHOLD:
                 tracker = sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False, track=True)
                 self._in_flight.append(tracker)
-            else:
-                sock.send_multipart([header, payload], zmq.NOBLOCK)
+                return tracker
+            sock.send_multipart([header, payload], zmq.NOBLOCK)
+            return None
         except zmq.Again:  # no high-water mark: only a connection that is gone does this
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: not connected", rank=dst) from None
 

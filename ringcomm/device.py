@@ -1,0 +1,176 @@
+"""The device a worker owns, and how its arrays reach the wire.
+
+Words: a **host** array lives in CPU memory (numpy); a **device** array lives on the
+worker's accelerator (CuPy). ZeroMQ moves host bytes only, so a device segment is *staged*:
+copied into a **slot** — a reused page-locked ("pinned") host buffer — before it is sent, and
+a received segment is copied from the host into device memory before it is reduced there.
+
+Three devices share one staging path (:class:`StagedDevice`), so the code that runs on a GPU
+is the code the CPU tests exercise:
+
+- :class:`HostDevice` (``cpu``): numpy; nothing to stage, segments go out zero-copy.
+- :class:`CudaDevice` (``gpu``): CuPy arrays on GPU ``LOCAL_RANK % device_count``. Device →
+  host copies run on a dedicated copy stream after an event recorded on the producer's
+  stream, so data leaves the device only once the kernels that wrote it have finished;
+  while ZeroMQ's I/O thread sends slot k, this thread is already copying segment k+1.
+  Received segments are copied in and reduced on the GPU.
+- :class:`EmulatedDevice` (``emulated``, for tests): numpy arrays treated as device memory,
+  with the same slots, staging calls and slot recycling as the GPU.
+
+A slot is reused only when the transport says ZeroMQ has finished reading it (the send's
+tracker is done), so nothing is overwritten while in flight.
+
+>>> dev = select("emulated", local_rank=0)
+>>> host, slot = dev.stage_out(np.arange(4.0))    # a pinned-slot copy, ready for the wire
+"""
+import collections
+import os
+
+import numpy as np
+
+DEVICES = ("auto", "cpu", "gpu", "emulated")
+
+
+class HostDevice:
+    kind = "cpu"
+    xp = np
+    staged = False
+
+    def is_array(self, x):
+        return isinstance(x, np.ndarray)
+
+    def stage_out(self, array):
+        """Host bytes to send for ``array`` (flat, contiguous) and the slot they occupy."""
+        return array, None
+
+    def sent(self, slot, tracker):
+        """The transport queued ``slot``'s bytes; ``tracker`` says when ZeroMQ is done."""
+
+    def stage_in(self, host):
+        """A device array holding the received host array ``host``."""
+        return host
+
+    def synchronize(self):
+        pass
+
+
+class StagedDevice(HostDevice):
+    """Staging through reused pinned slots; subclasses move bytes between device and host."""
+
+    staged = True
+
+    def __init__(self, slot_bytes=1 << 20, slots=8):
+        self.slot_bytes, self._slots = slot_bytes, collections.deque()
+        self._free = [self._pinned(slot_bytes) for _ in range(slots)]
+        self.copies_out = self.copies_in = 0
+
+    def stage_out(self, array):
+        nbytes = array.nbytes
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"segment of {nbytes} bytes exceeds the {self.slot_bytes}-byte staging slot")
+        slot = self._acquire()
+        host = slot[:nbytes].view(array.dtype)
+        self._to_host(array, host)
+        self.copies_out += 1
+        return host, slot
+
+    def sent(self, slot, tracker):
+        if slot is not None:
+            self._slots.append((slot, tracker))
+
+    def _acquire(self):
+        """A free slot; recycles the oldest in-flight one once ZeroMQ has finished with it."""
+        if not self._free:
+            slot, tracker = self._slots.popleft()
+            if tracker is not None:
+                tracker.wait()  # bounded: the transport's own deadline covers the send
+            self._free.append(slot)
+        return self._free.pop()
+
+    def stage_in(self, host):
+        self.copies_in += 1
+        return self._to_device(host)
+
+    # -- what a concrete device provides ----------------------------------------------------
+    def _pinned(self, nbytes):
+        raise NotImplementedError
+
+    def _to_host(self, array, host):
+        raise NotImplementedError
+
+    def _to_device(self, host):
+        raise NotImplementedError
+
+
+class EmulatedDevice(StagedDevice):
+    """numpy memory playing the device, for exercising the staging path without a GPU."""
+
+    kind = "emulated"
+
+    def _pinned(self, nbytes):
+        return np.empty(nbytes, np.uint8)
+
+    def _to_host(self, array, host):
+        np.copyto(host, array)
+
+    def _to_device(self, host):
+        return np.array(host, copy=True)
+
+
+class CudaDevice(StagedDevice):
+    kind = "gpu"
+
+    def __init__(self, local_rank, slot_bytes=1 << 20, slots=8):
+        import cupy
+        self.cupy = self.xp = cupy
+        self.index = local_rank % cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.Device(self.index).use()
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        super().__init__(slot_bytes, slots)
+
+    def is_array(self, x):
+        return isinstance(x, self.cupy.ndarray)
+
+    def _pinned(self, nbytes):
+        memory = self.cupy.cuda.alloc_pinned_memory(nbytes)
+        return np.frombuffer(memory, np.uint8, nbytes)
+
+    def _to_host(self, array, host):
+        ready = self.cupy.cuda.get_current_stream().record()  # the producer's kernels
+        self.copy_stream.wait_event(ready)
+        array.get(stream=self.copy_stream, out=host)
+        self.copy_stream.synchronize()
+
+    def _to_device(self, host):
+        out = self.cupy.empty(host.shape, host.dtype)
+        out.set(host, stream=self.cupy.cuda.get_current_stream())
+        return out
+
+    def synchronize(self):
+        self.cupy.cuda.get_current_stream().synchronize()
+
+
+def gpu_available():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no"
+        return False
+
+
+def select(device=None, local_rank=0, slot_bytes=1 << 20):
+    """The device for this worker: ``auto`` (a GPU if CuPy sees one, else the CPU), ``cpu``,
+    ``gpu`` (an error without one), or ``emulated``. Default: ``RINGCOMM_DEVICE`` or auto."""
+    device = device or os.environ.get("RINGCOMM_DEVICE", "auto")
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; expected one of {DEVICES}")
+    if device == "auto":
+        device = "gpu" if gpu_available() else "cpu"
+    if device == "gpu":
+        if not gpu_available():
+            raise ValueError("device='gpu' needs CuPy and a CUDA device; none was found "
+                             "(install ringcomm[gpu], or use device='cpu')")
+        return CudaDevice(local_rank, slot_bytes)
+    if device == "emulated":
+        return EmulatedDevice(slot_bytes)
+    return HostDevice()

@@ -1,0 +1,87 @@
+"""The GPU staging path, exercised on the CPU: an emulated device treats numpy buffers as
+device memory and goes through the same pinned-slot staging, slot recycling and copy-in
+as CuPy arrays do (ringcomm.device.StagedDevice)."""
+import numpy as np
+import pytest
+
+from harness import RankPool
+from ringcomm.device import EmulatedDevice, HostDevice, select
+from test_correctness import (assert_close, cases, make_input, numpy_reduce, run_all_gather,
+                              run_all_reduce, run_broadcast, run_reduce_scatter)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def emulated(request):
+    pool = RankPool(request.param, env={"RINGCOMM_DEVICE": "emulated", "RINGCOMM_SEGMENT_BYTES": "65536"})
+    yield pool
+    if not pool.broken:
+        pool.close()
+
+
+def staging_counts(comm):
+    return comm.device, comm._device.copies_out, comm._device.copies_in
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "ps", "auto"])
+def test_collectives_through_staging(emulated, algorithm):
+    n = emulated.world_size
+    (_, out_before, in_before), *_ = emulated.run(staging_counts)
+    todo = [(dt, op, c) for dt, op, c in cases(n) if op in ("sum", "max")]
+    results = emulated.run(run_all_reduce, algorithm, todo)
+    for i, (dtype, op, count) in enumerate(todo):
+        want = numpy_reduce([make_input(r, count, dtype, op) for r in range(n)], op, dtype)
+        for r in range(n):
+            assert results[r][i].tobytes() == results[0][i].tobytes()
+        assert_close(results[0][i], want, dtype, f"staged all_reduce {algorithm} {op}")
+    small = [(np.float32, "sum", c) for c in (0, 1, 1001)]
+    for r, res in enumerate(emulated.run(run_reduce_scatter, algorithm, small)):
+        for (dtype, op, count), got in zip(small, res):
+            full = numpy_reduce([make_input(q, count * n, dtype, op) for q in range(n)], op, dtype)
+            assert_close(got, full[r * count:(r + 1) * count], dtype, "staged reduce_scatter")
+    for res in emulated.run(run_all_gather, algorithm, [(np.int64, None, 777)]):
+        assert np.array_equal(res[0], np.concatenate([make_input(q, 777, np.int64, None) for q in range(n)]))
+    for res in emulated.run(run_broadcast, algorithm, [(np.float64, None, 5000)]):
+        for root in range(n):
+            assert np.array_equal(res[root], make_input(root, 5000, np.float64, None))
+    (kind, out_after, in_after), *_ = emulated.run(staging_counts)
+    assert kind == "emulated"
+    assert out_after > out_before and in_after > in_before, "nothing went through the staging slots"
+
+
+class Tracker:
+    def __init__(self):
+        self.done, self.waited = False, False
+
+    def wait(self):
+        self.waited, self.done = True, True
+
+
+def test_slots_are_recycled_only_after_the_send_finished():
+    dev = EmulatedDevice(slot_bytes=64, slots=2)
+    trackers = []
+    for i in range(5):
+        host, slot = dev.stage_out(np.full(4, i, np.float64))
+        assert np.array_equal(host, np.full(4, i)) and host.base is not None
+        trackers.append(Tracker())
+        dev.sent(slot, trackers[-1])
+    # 2 slots, 5 sends: the 3 oldest sends had to finish before their slot was reused
+    assert [t.waited for t in trackers] == [True, True, True, False, False]
+
+
+def test_segment_larger_than_slot_is_refused():
+    with pytest.raises(ValueError, match="exceeds"):
+        EmulatedDevice(slot_bytes=16).stage_out(np.zeros(3, np.float64))
+
+
+def test_device_selection():
+    assert isinstance(select("cpu"), HostDevice) and select("cpu").kind == "cpu"
+    assert select("emulated").kind == "emulated"
+    with pytest.raises(ValueError, match="unknown device"):
+        select("tpu")
+    from ringcomm.device import gpu_available
+    if not gpu_available():
+        assert select("auto").kind == "cpu"
+        with pytest.raises(ValueError, match="needs CuPy and a CUDA device"):
+            select("gpu")
