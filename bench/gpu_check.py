@@ -1,0 +1,107 @@
+"""``make gpu-check``: everything that needs a GPU, in one short script (< 5 minutes).
+
+Run on a machine with a CUDA GPU and CuPy (for example the lent H200 machine, whose Python
+has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). Steps:
+
+1. environment: CuPy version, devices, whether the kernels compile (``ringcomm.kernels``);
+2. ``pytest tests/gpu`` (kernels against their numpy references, collectives on CuPy arrays);
+3. collectives on the GPU: ring vs parameter-server all-reduce of CuPy arrays on 4 workers
+   sharing the GPU(s), checked against the closed form, timed (median of 5);
+4. one short training run per strategy with ``--device gpu`` (dp, ddp, zero1, zero2, zero3,
+   zero2 + offload) in fp16, checked to learn and to agree with each other.
+
+Results go to ``OUT/gpu_check.json`` (``--out``; default ``bench/out``) and a summary to stdout.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+STRATEGIES = [("dp", []), ("ddp", []), ("zero1", []), ("zero2", []), ("zero3", []), ("zero2", ["--offload"])]
+BENCH = r'''
+import json, statistics, sys, time
+import cupy as cp, numpy as np, ringcomm
+comm = ringcomm.init(device="gpu")
+n, r, rows = comm.world_size, comm.rank, []
+for size in (1 << 22, 1 << 26):
+    for algo in ("ring", "ps"):
+        x = cp.full(size // 4, r + 1, cp.float32)
+        times, wrong = [], 0
+        for i in range(6):
+            x.fill(r + 1); cp.cuda.get_current_stream().synchronize(); comm.barrier()
+            t = time.perf_counter(); comm.all_reduce(x, algorithm=algo); cp.cuda.get_current_stream().synchronize()
+            times.append(time.perf_counter() - t)
+            wrong += int((x != n * (n + 1) / 2).sum())
+        med = statistics.median(times[1:])
+        rows.append({"bytes": size, "algorithm": algo, "time_s": med, "busbw_GBps": size / med * 2 * (n - 1) / n / 1e9, "wrong": wrong})
+if r == 0:
+    print("GPUBENCH " + json.dumps({"world_size": n, "device": comm.device, "rows": rows}))
+'''
+
+
+def run(cmd, timeout, env=None):
+    start = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return result, time.perf_counter() - start
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
+    p.add_argument("--nproc", type=int, default=4)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    report = {"ok": True}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    import cupy
+    from ringcomm import kernels
+    report["environment"] = {"cupy": cupy.__version__, "devices": cupy.cuda.runtime.getDeviceCount(),
+                             "name": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                             "kernels_backend": kernels.backend()}
+    print("environment:", report["environment"], flush=True)
+
+    result, secs = run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], 240, env)
+    report["gpu_tests"] = {"returncode": result.returncode, "seconds": secs, "tail": result.stdout[-1500:]}
+    report["ok"] &= result.returncode == 0
+    print("gpu tests:", result.stdout.strip().splitlines()[-1:] or result.stderr[-500:], flush=True)
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(BENCH)
+    result, secs = run([sys.executable, "-m", "ringcomm.launch", "--nproc", str(args.nproc), "--device", "gpu", f.name], 240, env)
+    line = [ln for ln in result.stdout.splitlines() if "GPUBENCH " in ln]
+    report["collectives"] = json.loads(line[0].split("GPUBENCH ", 1)[1]) if line else {"error": result.stderr[-2000:]}
+    report["ok"] &= bool(line) and all(row["wrong"] == 0 for row in report["collectives"]["rows"])
+    print("collectives:", json.dumps(report["collectives"])[:1500], flush=True)
+
+    report["training"] = []
+    for strategy, extra in STRATEGIES:
+        with tempfile.TemporaryDirectory() as tmp:
+            metrics = os.path.join(tmp, "m.json")
+            cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu", "-m", "ringcomm.train",
+                   "--strategy", strategy, *extra, "--precision", "fp16", "--steps", "40", "--metrics-json", metrics]
+            result, secs = run(cmd, 120, env)
+            entry = {"strategy": strategy + "".join(extra), "returncode": result.returncode, "seconds": secs}
+            if result.returncode == 0:
+                with open(metrics) as m:
+                    doc = json.load(m)
+                entry.update(final_loss=doc["final_loss"], accuracy=doc["accuracy"],
+                             step_time_s=doc["per_rank"][0]["step_time_s"])
+            else:
+                entry["error"] = result.stderr[-1500:]
+            report["ok"] &= result.returncode == 0
+            report["training"].append(entry)
+            print("training:", json.dumps(entry)[:600], flush=True)
+
+    path = os.path.join(args.out, "gpu_check.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"gpu-check: {'PASSED' if report['ok'] else 'FAILED'}; results in {path}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
