@@ -6,6 +6,7 @@ import zmq
 
 from . import rendezvous
 from .security import Guard
+from .tuning import tune_malloc
 from .zmq_transport import ZmqTransport
 
 
@@ -14,6 +15,7 @@ def connect(info):
 
     ``info`` is a :class:`ringcomm.env.JobInfo`. Returns a :class:`ZmqTransport`.
     """
+    tune_malloc()
     context = zmq.Context()
     pull = guard = None
     try:

@@ -1,0 +1,38 @@
+"""Process-level tuning that keeps large ZeroMQ messages off the slow path.
+
+libzmq allocates a fresh buffer for every large incoming message. With glibc's defaults a
+buffer above the mmap threshold is a new memory mapping, and every message then faults in
+its pages afresh (freed memory is handed back to the system at once); that alone capped
+ZeroMQ at ≈0.8 GB/s on 64 MiB messages on this machine kind (see shared/ANCHORS.md), against
+2.3–3 GB/s once glibc reuses memory. :func:`tune_malloc` raises the mmap and trim
+thresholds so freed message buffers are reused. It trades returning memory to the system
+promptly for speed; ``RINGCOMM_MALLOC_TUNING=0`` turns it off.
+"""
+import ctypes
+import ctypes.util
+import logging
+import os
+
+log = logging.getLogger(__name__)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 64 << 20   # allocations up to 64 MiB come from the heap and are reused
+TRIM_THRESHOLD = 512 << 20  # keep up to 512 MiB of freed heap instead of returning it
+
+_done = False
+
+
+def tune_malloc():
+    """Apply the thresholds once per process (glibc only); returns True if applied."""
+    global _done
+    if _done or os.environ.get("RINGCOMM_MALLOC_TUNING", "1") == "0":
+        return _done
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False  # not glibc: nothing to tune
+    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    _done = bool(ok)
+    if not ok:
+        log.debug("mallopt refused the thresholds")
+    return _done
