@@ -56,6 +56,21 @@ def _address(a):
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
 
+def all_reduce_bytes(n, nbytes, algorithm="auto"):
+    """Payload bytes one rank sends in an all-reduce of ``nbytes`` on ``n`` ranks with
+    ``algorithm`` as ``auto`` would resolve it: ring 2(n−1)/n·S, recursive doubling S·log2 n,
+    parameter server (n−1)·S on the root (the busiest rank)."""
+    if n == 1:
+        return 0.0
+    if algorithm == "auto":
+        algorithm = "rd" if nbytes <= SMALL_MESSAGE_BYTES and rd.is_applicable(n) else "ring"
+    if algorithm == "rd":
+        return nbytes * (n.bit_length() - 1)
+    if algorithm == "ps":
+        return (n - 1) * nbytes
+    return 2 * (n - 1) / n * nbytes
+
+
 class Communicator:
     """A group of ranks. Create the world with :func:`ringcomm.init`, subgroups with
     :meth:`new_group`.

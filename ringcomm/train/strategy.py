@@ -137,8 +137,20 @@ class Strategy:
         """Model-order fp32 parameters (called on every rank; may communicate)."""
         raise NotImplementedError
 
+    # -- checkpoints (see :mod:`ringcomm.checkpoint`) -------------------------------------
+    # ``checkpoint_kind`` says what ``state()["master"]`` holds on each rank: ``"full"`` the
+    # whole padded flat buffer, ``"shard"`` this rank's shard buffer, ``"server"`` the whole
+    # flat buffer everywhere but the optimizer state (m, v) on rank 0 only.
+    checkpoint_kind = "full"
+
     def state(self):
-        """This rank's model state for checkpoints: name -> array."""
+        """This rank's model state for checkpoints: name -> array (``master`` in fp32, then
+        the optimizer's ``m``, ``v``, ``t``)."""
+        raise NotImplementedError
+
+    def load_state(self, state):
+        """Undo :meth:`state`: put a saved (or resharded) state of this rank back in place.
+        Called on every rank at once (it may communicate); the loss scaler is separate."""
         raise NotImplementedError
 
 
@@ -212,7 +224,15 @@ class Replicated(Strategy):
         return [v.astype(np.float32) for v in self.layout.views(source)]
 
     def state(self):
-        return {"master": self.master.copy(), **self.optimizer.state()}
+        return {"master": self.master.astype(np.float32), **self.optimizer.state()}
+
+    def load_state(self, state):
+        # fp32: master is the parameter buffer itself; fp16 (and dp ranks other than 0, whose
+        # "master" is their fp16 copy): the parameters are the master cast, as write_back does
+        self.master[...] = state["master"]
+        if self.mixed:
+            self.flat_params[...] = self.master
+        self.optimizer.load_state(state)
 
 
 class Single(Replicated):
@@ -227,6 +247,7 @@ class ParameterServer(Replicated):
     other rank sends and receives Φ."""
 
     name = "dp"
+    checkpoint_kind = "server"
 
     def setup(self, params):
         lay = self.layout

@@ -211,8 +211,23 @@ class Zero(Strategy):
         phi, n, e = self.layout.num_params, self.n, self.dtype.itemsize
         return (3 if self.sharded("params") else 2) * (n - 1) / n * phi * e
 
+    checkpoint_kind = "shard"
+
     def state(self):
         out = {"master": (self.master if self.mixed else
                           self.param_shard if self.sharded("params") else
-                          self.layout.own_shard(self.flat_params, self.rank)).copy()}
+                          self.layout.own_shard(self.flat_params, self.rank)).astype(np.float32)}
         return {**out, **self.optimizer.state()}
+
+    def load_state(self, state):
+        shard = np.asarray(state["master"], np.float32)
+        if self.mixed:
+            self.master[...] = shard
+        if self.sharded("params"):
+            self.param_shard[...] = shard
+        else:  # stages 1-2 hold every parameter: put this shard in place, gather the others
+            self.layout.scatter_shard(shard, self.flat_params, self.rank)
+            for unit in self.layout.units:
+                full = self.flat_params[unit.start:unit.stop]
+                self.comm.all_gather(full, self.flat_params[slice(*unit.own_range(self.rank))], algorithm="ring")
+        self.optimizer.load_state(state)

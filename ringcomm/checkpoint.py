@@ -1,0 +1,504 @@
+"""Checkpoints of the trainer: the on-disk format, saving, resuming (with resharding) and
+``python -m ringcomm.checkpoint``.
+
+    python -m ringcomm.checkpoint list D                  # every checkpoint in D
+    python -m ringcomm.checkpoint consolidate D out.npz   # newest complete one -> fp32 W0, b0, ...
+    python -m ringcomm.checkpoint consolidate D/step_000120 out.npz
+
+Format
+------
+``D/step_000120/`` holds the state after 120 completed steps:
+
+- ``rank{r}.npz``, one per rank (``np.savez``, plain arrays, loaded with
+  ``allow_pickle=False``): ``master`` (fp32; what the rank's optimizer works on, see
+  ``checkpoint_kind`` in :mod:`ringcomm.train.strategy`: the whole padded flat buffer for
+  ``single``/``ddp``/``dp``, the rank's shard buffer for ZeRO), the optimizer state ``m``,
+  ``v`` (Adam; same length as ``master``, empty on ``dp`` ranks other than 0) and ``t``, the
+  loss scaler (``scaler_scale``, ``scaler_clean``, ``scaler_hysteresis``,
+  ``scaler_skipped``), the data position ``step`` and ``seed`` (batches are a pure function of
+  them, and nothing else draws random numbers after initialisation, so they are the whole
+  RNG state), the losses so far, ``rank`` and ``world_size``.
+- ``manifest.json``, written last by rank 0: strategy, world size, precision, optimizer,
+  layers, step, number of parameters, the flat layout (parameter offsets; every unit's
+  start, length, padding and shard size) and each rank file's sha256 and size.
+
+Every file is written to a temporary name, flushed, fsynced and renamed, and the directory
+is fsynced. Rank 0 writes the manifest only after gathering every rank's digest, i.e. once
+every rank file is durable; a final broadcast tells every rank the checkpoint is complete.
+A directory without a manifest, or whose files do not match it, is *incomplete*: ``--resume``
+skips it and takes the newest complete one. After a checkpoint is complete, rank 0 keeps it
+and the one before it and deletes the others (manifest first, so that a half-deleted
+directory is never mistaken for a complete one).
+
+Resuming with the layout it was saved with (same world size and units) loads each rank's own
+file. Otherwise (another world size, or another strategy) the state is *resharded*: the full
+fp32 master and optimizer state are rebuilt in the flat, unpadded model order from all rank
+files and every rank takes its part under its new layout. The directory must be visible to
+every rank (one host, or a shared filesystem).
+"""
+import argparse
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT, VERSION = "ringcomm-checkpoint", 1
+MANIFEST = "manifest.json"
+KEEP = 2
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_SCALER_KEYS = {"scale": "scaler_scale", "clean": "scaler_clean", "hysteresis": "scaler_hysteresis",
+                "skipped": "scaler_skipped"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, found or used; the message says why."""
+
+
+def step_dir(root, step):
+    return os.path.join(root, f"step_{step:06d}")
+
+
+# -- durable files ---------------------------------------------------------------------------
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path, data):
+    """Write ``data`` (bytes) to ``path`` atomically: temporary name, flush, fsync, rename,
+    fsync of the directory. Readers see the old file or the whole new one, never a torn one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def npz_bytes(arrays):
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_npz(path, sha256=None):
+    """The arrays of a rank file (no pickle), checked against ``sha256`` when given."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{path}: contents do not match the manifest's sha256")
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+# -- finding checkpoints ---------------------------------------------------------------------
+@dataclass
+class Entry:
+    step: int
+    path: str
+    complete: bool
+    reason: str = ""          # why it is incomplete
+    manifest: dict = None     # when readable
+
+
+def verify(path):
+    """``(manifest, "")`` if the checkpoint in ``path`` is complete, else ``(manifest or None,
+    reason)``."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None, "no manifest"
+    except (OSError, ValueError) as e:
+        return None, f"unreadable manifest ({e})"
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        return None, f"not a {FORMAT} v{VERSION} manifest"
+    files = manifest.get("files", {})
+    if len(files) != manifest.get("world_size"):
+        return manifest, "manifest lists the wrong number of rank files"
+    for name, info in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return manifest, f"{name} is missing"
+        if os.path.getsize(file) != info["bytes"] or sha256_file(file) != info["sha256"]:
+            return manifest, f"{name} does not match its sha256"
+    return manifest, ""
+
+
+def scan(root, check=True):
+    """Every ``step_*`` directory in ``root``, oldest first. ``check=False`` only looks for
+    the manifest (no hashing)."""
+    entries = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return entries
+    for name in names:
+        match = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if not match or not os.path.isdir(path):
+            continue
+        if check:
+            manifest, reason = verify(path)
+        else:
+            present = os.path.isfile(os.path.join(path, MANIFEST))
+            manifest, reason = None, "" if present else "no manifest"
+        if manifest is not None and manifest.get("step") != int(match.group(1)):
+            reason = reason or f"manifest says step {manifest.get('step')}"
+        entries.append(Entry(int(match.group(1)), path, not reason, reason, manifest))
+    return sorted(entries, key=lambda e: e.step)
+
+
+def newest_complete(root):
+    """The newest complete checkpoint in ``root`` (hashes checked), or None. Checks from the
+    newest down and stops at the first complete one."""
+    for entry in reversed(scan(root, check=False)):
+        manifest, reason = verify(entry.path)
+        if not reason and manifest.get("step") == entry.step:
+            return Entry(entry.step, entry.path, True, "", manifest)
+    return None
+
+
+def resolve(path):
+    """A checkpoint directory from ``path``: itself if it holds a manifest, else the newest
+    complete checkpoint under it."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        manifest, reason = verify(path)
+        if reason:
+            raise CheckpointError(f"{path}: incomplete checkpoint: {reason}")
+        return Entry(manifest["step"], path, True, "", manifest)
+    entry = newest_complete(path)
+    if entry is None:
+        raise CheckpointError(f"{path}: no complete checkpoint")
+    return entry
+
+
+def _remove(path):
+    """Delete a checkpoint directory, manifest first."""
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.exists(manifest):
+        os.unlink(manifest)
+        _fsync_dir(path)
+    shutil.rmtree(path)
+
+
+def _remove_stale_temporaries(path, names):
+    """Delete temporary files of ``names`` left in ``path`` by a writer that crashed (each rank
+    only its own: another rank may be writing its file right now)."""
+    names = (names,) if isinstance(names, str) else names
+    for file in os.listdir(path):
+        base, sep, _ = file.partition(".tmp-")
+        if sep and base in names:
+            os.unlink(os.path.join(path, file))
+
+
+def prune(root, current, keep=KEEP):
+    """After step ``current`` is complete: keep it and the newest complete checkpoints before
+    it (``keep`` in all); delete older or incomplete ones, and any with a later step (left by
+    an earlier run or attempt: not part of this run's history)."""
+    kept = 0
+    for entry in reversed(scan(root, check=False)):
+        if entry.step == current:
+            kept += 1
+        elif entry.step < current and kept < keep and entry.complete and not verify(entry.path)[1]:
+            kept += 1
+        else:
+            _remove(entry.path)
+    _fsync_dir(root)
+
+
+# -- the layout, as recorded in the manifest --------------------------------------------------
+def layout_record(layout):
+    return {
+        "total": layout.total, "shard_total": layout.shard_total,
+        "specs": [[name, list(shape)] for name, shape in layout.specs],
+        "offsets": list(layout.offsets),
+        "units": [{"index": u.index, "params": list(u.params), "start": u.start, "length": u.length,
+                   "padded": u.padded, "shard_size": u.shard_size, "shard_start": u.shard_start}
+                  for u in layout.units],
+    }
+
+
+def _full_flat(manifest, files, key):
+    """The whole padded flat buffer of ``key`` (``master``, ``m`` or ``v``) under the saved
+    layout, from the rank files."""
+    rec, kind = manifest["layout"], manifest["kind"]
+    if kind in ("full", "server"):
+        return np.asarray(files[0][key], np.float32)
+    flat = np.zeros(rec["total"], np.float32)
+    for rank, arrays in enumerate(files):
+        shard = arrays[key]
+        for u in rec["units"]:
+            lo = u["start"] + rank * u["shard_size"]
+            flat[lo:lo + u["shard_size"]] = shard[u["shard_start"]:u["shard_start"] + u["shard_size"]]
+    return flat
+
+
+def _model_order(manifest, flat):
+    """Model-order arrays (``W0, b0, ...`` in their shapes) inside a saved flat buffer."""
+    rec = manifest["layout"]
+    out = []
+    for (_, shape), offset in zip(rec["specs"], rec["offsets"]):
+        size = int(np.prod(shape))
+        out.append(flat[offset:offset + size].reshape(shape).copy())
+    return out
+
+
+@dataclass
+class FullState:
+    """A checkpoint gathered from all its rank files, independent of any layout."""
+
+    manifest: dict
+    params: list        # fp32 master, model order, model shapes
+    m: list             # Adam state in model order (None for SGD)
+    v: list
+    t: int
+    scaler: dict
+    losses: np.ndarray
+
+    def flat(self, key):
+        """``params``/``m``/``v`` as one flat, unpadded, model-order fp32 vector."""
+        return np.concatenate([a.ravel() for a in getattr(self, key)]) if getattr(self, key) else None
+
+
+def read_full(entry):
+    """Rebuild the full fp32 master and optimizer state of a complete checkpoint."""
+    manifest = entry.manifest
+    files = [load_npz(os.path.join(entry.path, f"rank{r}.npz"), manifest["files"][f"rank{r}.npz"]["sha256"])
+             for r in range(manifest["world_size"])]
+    params = _model_order(manifest, _full_flat(manifest, files, "master"))
+    adam = "m" in files[0]
+    m = _model_order(manifest, _full_flat(manifest, files, "m")) if adam else None
+    v = _model_order(manifest, _full_flat(manifest, files, "v")) if adam else None
+    scaler = {k: files[0][name] for k, name in _SCALER_KEYS.items()}
+    return FullState(manifest, params, m, v, int(files[0]["t"]), scaler, files[0]["losses"])
+
+
+# -- saving -------------------------------------------------------------------------------------
+def rank_arrays(strategy, step, losses, seed):
+    arrays = dict(strategy.state())
+    arrays.update({_SCALER_KEYS[k]: value for k, value in strategy.scaler.state().items()})
+    arrays.update(step=np.array(step, np.int64), seed=np.array(seed, np.int64),
+                  losses=np.array(losses, np.float64), rank=np.array(strategy.rank, np.int64),
+                  world_size=np.array(strategy.n, np.int64))
+    return arrays
+
+
+def manifest_for(strategy, cfg, step, digests):
+    return {
+        "format": FORMAT, "version": VERSION, "step": step,
+        "strategy": strategy.name, "offload": bool(cfg.offload), "kind": strategy.checkpoint_kind,
+        "world_size": strategy.n, "precision": cfg.precision, "optimizer": cfg.optimizer,
+        "layers": list(cfg.layers), "num_params": strategy.layout.num_params,
+        "seed": cfg.seed, "batch_size": cfg.batch_size, "samples": cfg.samples, "data": cfg.data,
+        "lr": cfg.lr, "bucket_mb": cfg.bucket_mb,
+        "layout": layout_record(strategy.layout),
+        "files": {f"rank{r}.npz": {"sha256": sha, "bytes": size} for r, (sha, size) in enumerate(digests)},
+    }
+
+
+def save(meta, strategy, cfg, step, losses, root):
+    """Write the checkpoint of step ``step`` (called by every rank; ``meta`` spans them all).
+    Returns its directory once it is complete on disk."""
+    rank, n = meta.rank, meta.world_size
+    path = step_dir(root, step)
+    os.makedirs(path, exist_ok=True)
+    if rank == 0 and os.path.exists(os.path.join(path, MANIFEST)):
+        os.unlink(os.path.join(path, MANIFEST))  # rewriting a step: it is incomplete until done
+        _fsync_dir(path)
+    # every rank's file is durable once its record (digest, size, ok) has arrived: this
+    # gather is the barrier before the manifest
+    mine, error = np.zeros(41, np.uint8), None
+    try:
+        _remove_stale_temporaries(path, [f"rank{rank}.npz"] + ([MANIFEST] if rank == 0 else []))
+        data = npz_bytes(rank_arrays(strategy, step, losses, cfg.seed))
+        write_durable(os.path.join(path, f"rank{rank}.npz"), data)
+        mine[:32] = np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
+        mine[32:40] = np.array([len(data)], np.int64).view(np.uint8)
+        mine[40] = 1
+    except OSError as e:  # the others must not wait for a file that will never come
+        error = e
+    everyone = np.empty(41 * n, np.uint8)
+    meta.all_gather(everyone, mine)
+    records = everyone.reshape(n, 41)
+    failed = [r for r in range(n) if not records[r, 40]]
+    if failed:
+        raise CheckpointError(f"rank(s) {failed} could not write their part of {path}") from error
+    status = np.zeros(1, np.int64)
+    if rank == 0:
+        try:
+            digests = [(bytes(rec[:32]).hex(), int(rec[32:40].view(np.int64)[0])) for rec in records]
+            manifest = manifest_for(strategy, cfg, step, digests)
+            write_durable(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+            _fsync_dir(root)  # the step directory's own entry
+        except Exception as e:  # noqa: BLE001 - every rank must hear about it, not wait
+            status[0], error = 1, e
+        if not status[0]:
+            try:
+                prune(root, step)
+            except OSError as e:
+                print(f"ringcomm.checkpoint: warning: could not delete old checkpoints: {e}", file=sys.stderr)
+    meta.broadcast(status, root=0)
+    if status[0]:
+        raise CheckpointError(f"rank 0 could not write the manifest of {path}") from error
+    return path
+
+
+# -- resuming -----------------------------------------------------------------------------------
+def _same_layout(manifest, strategy):
+    return (manifest["world_size"] == strategy.n and manifest["kind"] == strategy.checkpoint_kind
+            and manifest["layout"] == json.loads(json.dumps(layout_record(strategy.layout))))
+
+
+def state_from_full(full, strategy):
+    """This rank's ``state()`` under its own layout, cut from a :class:`FullState`."""
+    lay = strategy.layout
+    packed = {key: lay.pack(getattr(full, key), np.float32) for key in ("params", "m", "v")
+              if getattr(full, key) is not None}
+    if strategy.checkpoint_kind == "shard":
+        packed = {k: lay.own_shard(v, strategy.rank) for k, v in packed.items()}
+    elif strategy.checkpoint_kind == "server" and strategy.rank != 0:
+        packed = {k: (v if k == "params" else np.zeros(0, np.float32)) for k, v in packed.items()}
+    state = {"master": packed.pop("params"), "t": np.array(full.t)}
+    state.update(packed)
+    return state
+
+
+def check_compatible(manifest, cfg):
+    """Raise for a checkpoint that cannot continue ``cfg``; return warnings for settings
+    that differ but can (the run then no longer replays the original one)."""
+    for key, mine in (("layers", list(cfg.layers)), ("precision", cfg.precision), ("optimizer", cfg.optimizer)):
+        if manifest[key] != mine:
+            raise CheckpointError(f"the checkpoint has {key} {manifest[key]} but this run has {mine}")
+    return [f"{key} was {manifest[key]}, now {mine}" for key, mine in
+            (("seed", cfg.seed), ("batch_size", cfg.batch_size), ("samples", cfg.samples),
+             ("data", cfg.data), ("lr", cfg.lr)) if manifest.get(key) != mine]
+
+
+@dataclass
+class Resumed:
+    step: int
+    losses: list
+    path: str
+    manifest: dict
+    resharded: bool
+
+
+def restore(meta, strategy, cfg, root):
+    """Load the newest complete checkpoint in ``root`` into ``strategy`` (called by every
+    rank). Returns a :class:`Resumed`, or None when there is none (start fresh)."""
+    chosen, error = np.array([-1], np.int64), None
+    if meta.rank == 0:
+        try:
+            entry = newest_complete(root)
+            chosen[0] = -1 if entry is None else entry.step
+        except OSError as e:  # tell the other ranks instead of leaving them waiting
+            chosen[0], error = -2, e
+    meta.broadcast(chosen, root=0)  # every rank resumes from the one rank 0 verified
+    if chosen[0] == -2:
+        raise CheckpointError(f"rank 0 could not look for checkpoints in {root}") from error
+    if chosen[0] < 0:
+        return None
+    path = step_dir(root, int(chosen[0]))
+    failed, error = np.zeros(1, np.int64), None
+    try:  # read everything first; only then may load_state communicate
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        check_compatible(manifest, cfg)
+        if _same_layout(manifest, strategy):
+            name = f"rank{strategy.rank}.npz"
+            arrays = load_npz(os.path.join(path, name), manifest["files"][name]["sha256"])
+            state = {k: arrays[k] for k in ("master", "m", "v", "t") if k in arrays}
+            scaler = {k: arrays[name] for k, name in _SCALER_KEYS.items()}
+            losses, resharded = arrays["losses"], False
+        else:
+            full = read_full(Entry(manifest["step"], path, True, "", manifest))
+            state, scaler, losses, resharded = state_from_full(full, strategy), full.scaler, full.losses, True
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
+        failed[0], error = 1, e
+    meta.all_reduce(failed)  # every rank raises, or none
+    if failed[0]:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"another rank could not load {path}")
+    strategy.load_state(state)
+    strategy.scaler.load_state(scaler)
+    return Resumed(int(chosen[0]), [float(x) for x in losses], path, manifest, resharded)
+
+
+# -- the command line ---------------------------------------------------------------------------
+def consolidate(path, out):
+    """Write the fp32 parameters (``W0, b0, W1, b1, ...``) of the checkpoint at ``path``
+    (a checkpoint directory, or the newest complete one under it) to ``out``."""
+    entry = resolve(path)
+    full = read_full(entry)
+    names = [name for name, _ in entry.manifest["layout"]["specs"]]
+    write_durable(out, npz_bytes(dict(zip(names, full.params))))
+    return entry
+
+
+def list_checkpoints(root, out=print):
+    entries = scan(root)
+    if not entries:
+        out(f"{root}: no checkpoints")
+        return entries
+    out(f"{'step':>8}  {'status':<34} {'strategy':<14} {'world':>5}  {'precision':<9} files")
+    for e in entries:
+        m = e.manifest or {}
+        strategy = (m.get("strategy", "-") + (" +offload" if m.get("offload") else "")) if m else "-"
+        files = sorted(f for f in os.listdir(e.path) if f.endswith(".npz") or f == MANIFEST)
+        status = "complete" if e.complete else f"incomplete ({e.reason})"
+        out(f"{e.step:>8}  {status:<34} {strategy:<14} {m.get('world_size', '-'):>5}  "
+            f"{m.get('precision', '-'):<9} {' '.join(files)}")
+    return entries
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ringcomm.checkpoint", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="the checkpoints in D: step, complete or not, strategy, world size")
+    ls.add_argument("dir", metavar="D")
+    co = sub.add_parser("consolidate", help="one fp32 parameter file from a (sharded) checkpoint")
+    co.add_argument("dir", metavar="D", help="a checkpoint directory, or the newest complete one in D")
+    co.add_argument("out", metavar="OUT.npz")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "list":
+            list_checkpoints(args.dir)
+        else:
+            entry = consolidate(args.dir, args.out)
+            m = entry.manifest
+            print(f"{args.out}: {m['num_params']} fp32 parameters of layers {m['layers']} from {entry.path} "
+                  f"(step {m['step']}, {m['strategy']} on {m['world_size']} rank(s))")
+    except (CheckpointError, OSError) as e:
+        print(f"ringcomm.checkpoint: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

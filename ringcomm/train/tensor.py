@@ -1,0 +1,115 @@
+"""Tensor parallelism: one layer's matrices split across the T ranks of a tp group.
+
+Layers alternate (by global index) between the two halves of Megatron-LM's conjugate pair:
+
+- **column-parallel** (even layers): ``W`` split by output columns, ``b`` likewise. Input
+  replicated, output split: no communication in forward; in backward the input gradient
+  ``dY_t @ W_tᵀ`` is a partial sum and is **all-reduced** (Megatron's *f*: identity forward,
+  all-reduce backward).
+- **row-parallel** (odd layers): ``W`` split by input rows, so it consumes the column layer's
+  split output directly; the partial outputs ``X_t @ W_t`` are **all-reduced** in forward
+  (Megatron's *g*), then the replicated bias is added; backward needs no communication.
+
+An MLP whose last layer is column-parallel all-gathers its logits for the loss. What crosses
+the wire is activations and their gradients (B × width per layer), never parameters — the
+source document's contrast with ZeRO-3. Bytes each tp rank sends per micro-batch of B rows,
+an all-reduce of S bytes costing c(S) (2(T−1)/T·S on the ring, S·log2 T by recursive
+doubling for small S): Σ_row c(B·out·e) + Σ_column, not first c(B·in·e), + (T−1)·B·⌈classes/T⌉·e
+for a final all-gather.
+
+>>> layer = TPLayer(index=0, fan_in=64, fan_out=256, tp=2, t=1, last=False)
+>>> layer.kind, layer.out_local      # columns [128, 256) of W0 live on tp rank 1
+('column', 128)
+"""
+import numpy as np
+
+from ..algorithms.chunks import split
+from ..comm import all_reduce_bytes
+
+
+class TPLayer:
+    def __init__(self, index, fan_in, fan_out, tp, t, last):
+        self.index, self.fan_in, self.fan_out, self.tp, self.t, self.last = index, fan_in, fan_out, tp, t, last
+        self.kind = "full" if tp == 1 else ("column" if index % 2 == 0 else "row")
+        if self.kind == "column":
+            self.cols = slice(*split(0, fan_out, tp)[t])
+            self.rows = slice(0, fan_in)
+        elif self.kind == "row":
+            self.rows = slice(*split(0, fan_in, tp)[t])
+            self.cols = slice(0, fan_out)
+        else:
+            self.rows, self.cols = slice(0, fan_in), slice(0, fan_out)
+        self.in_local = self.rows.stop - self.rows.start
+        self.out_local = self.cols.stop - self.cols.start
+
+    # -- parameters ---------------------------------------------------------------------------
+    def shard(self, W, b):
+        """This rank's pieces of the full ``W`` (in, out) and ``b`` (out,)."""
+        return np.ascontiguousarray(W[self.rows, self.cols]), np.ascontiguousarray(b[self.cols])
+
+    def owns_bias(self):
+        """A row layer's bias is replicated: only tp rank 0 reports it when assembling."""
+        return self.kind != "row" or self.t == 0
+
+    @property
+    def input_split(self):
+        return self.kind == "row"
+
+    @property
+    def output_split(self):
+        return self.kind == "column" and not self.last
+
+    # -- compute ------------------------------------------------------------------------------
+    def forward(self, h, W, b, tp_group, relu):
+        """``h`` is this rank's input (split for row layers); returns this rank's output
+        (split for column layers, except a last layer's logits, which are all-gathered)."""
+        out = h @ W
+        if self.kind == "row":
+            tp_group.all_reduce(out)
+        out += b
+        if self.kind == "column" and self.last:
+            out = self._gather_columns(out, tp_group)
+        if relu:
+            np.maximum(out, 0, out=out)
+        return out
+
+    def _gather_columns(self, local, tp_group):
+        widths = [hi - lo for lo, hi in split(0, self.fan_out, self.tp)]
+        pad = max(widths)
+        padded = np.zeros((local.shape[0], pad), local.dtype)
+        padded[:, :local.shape[1]] = local
+        gathered = np.empty((self.tp, local.shape[0], pad), local.dtype)
+        tp_group.all_gather(gathered.reshape(-1), padded.reshape(-1))
+        return np.concatenate([gathered[i, :, :w] for i, w in enumerate(widths)], axis=1)
+
+    def backward(self, h, W, out, dout, tp_group, relu, need_dh):
+        """Gradients from ``dout`` (the gradient of this rank's output as ``forward`` returned
+        it). Returns ``(dW, db, dh)``, ``dh`` in the layout of this rank's input."""
+        d = dout.copy()
+        if relu:
+            d[out <= 0] = 0
+        if self.kind == "column" and self.last:
+            d = np.ascontiguousarray(d[:, self.cols])
+        dW = h.T @ d
+        db = d.sum(axis=0)
+        dh = None
+        if need_dh:
+            dh = d @ W.T
+            if self.kind == "column":
+                tp_group.all_reduce(dh)
+        return dW, db, dh
+
+    def comm_bytes(self, rows, itemsize, first):
+        """Bytes this tp rank sends for one micro-batch of ``rows`` samples (forward and
+        backward), by the formula of the algorithm ``auto`` picks for each all-reduce."""
+        if self.tp == 1:
+            return 0.0
+        total = 0.0
+        if self.kind == "row":
+            total += all_reduce_bytes(self.tp, rows * self.fan_out * itemsize)
+        elif not first:
+            total += all_reduce_bytes(self.tp, rows * self.fan_in * itemsize)
+        if self.kind == "column" and self.last:
+            widths = [hi - lo for lo, hi in split(0, self.fan_out, self.tp)]
+            total += (self.tp - 1) * rows * max(widths) * itemsize  # ring all-gather, padded
+        return total
