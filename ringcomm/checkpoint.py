@@ -48,6 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .device import to_host
+
 FORMAT, VERSION = "ringcomm-checkpoint", 1
 MANIFEST = "manifest.json"
 KEEP = 2
@@ -300,7 +302,7 @@ def read_full(entry):
 
 # -- saving -------------------------------------------------------------------------------------
 def rank_arrays(strategy, step, losses, seed):
-    arrays = dict(strategy.state())
+    arrays = {k: to_host(v) for k, v in strategy.state().items()}
     arrays.update({_SCALER_KEYS[k]: value for k, value in strategy.scaler.state().items()})
     arrays.update(step=np.array(step, np.int64), seed=np.array(seed, np.int64),
                   losses=np.array(losses, np.float64), rank=np.array(strategy.rank, np.int64),

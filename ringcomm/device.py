@@ -174,3 +174,24 @@ def select(device=None, local_rank=0, slot_bytes=1 << 20):
     if device == "emulated":
         return EmulatedDevice(slot_bytes)
     return HostDevice()
+
+
+def to_host(a):
+    """``a`` as a numpy array (a CuPy array is copied to the host)."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def array_module(a):
+    """numpy, or cupy for a CuPy array."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def copy_into(dst, src):
+    """``dst[...] = src`` whichever of them lives on the host or the device."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = to_host(src)
+    else:
+        dst[...] = array_module(dst).asarray(src, dtype=dst.dtype)

@@ -71,7 +71,9 @@ class MemoryRegistry:
             raise ValueError(f"unknown memory category {category!r}")
         if name in self._live:
             raise ValueError(f"buffer {name!r} is already allocated")
-        array = (xp or self.xp).zeros(shape, dtype)
+        if xp is None:  # host categories stay in host memory whatever the device
+            xp = np if category == "optimizer_host" else self.xp
+        array = xp.zeros(shape, dtype)
         self._live[name] = (category, array.nbytes)
         self._current[category] += array.nbytes
         self._peak[category] = max(self._peak[category], self._current[category])

@@ -47,18 +47,39 @@ def parse_op(op, dtype):
     return op
 
 
+def _device_kernels(array):
+    """The CUDA kernels (ringcomm.kernels) for a CuPy array, None for a numpy one."""
+    if isinstance(array, np.ndarray):
+        return None
+    from . import kernels
+    return kernels
+
+
 def reduce_into(op, acc, incoming):
-    """In place: ``acc = acc (op) incoming``; returns ``acc``."""
+    """In place: ``acc = acc (op) incoming``; returns ``acc``. On a GPU: kernels/reduce.cu."""
+    gpu = _device_kernels(acc)
+    if gpu is not None:
+        return gpu.reduce(op.value, acc, incoming)
     return _UFUNC[op](acc, incoming, out=acc)
 
 
 def reduced(op, a, b, out=None):
     """``a (op) b`` into ``out``, or into a new array when ``out`` is None."""
+    gpu = _device_kernels(a)
+    if gpu is not None:
+        if out is None:
+            out = a.copy()
+        else:
+            out[...] = a
+        return gpu.reduce(op.value, out, b)
     return _UFUNC[op](a, b, out=out)
 
 
 def finalize(op, acc, n):
     """In place: turn a finished sum over ``n`` ranks into the result of ``op`` (avg divides)."""
+    gpu = _device_kernels(acc)
+    if gpu is not None:
+        return gpu.finalize(op.value, acc, n)
     if op is ReduceOp.AVG and acc.size:
         np.true_divide(acc, n, out=acc)
     return acc

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import checkpoint
+from ..device import to_host
 from ..memory import MemoryRegistry
 from . import data as datasets
 from . import report
@@ -64,6 +65,7 @@ class TrainConfig:
     metrics_json: str = None
     save: str = None
     log_every: int = 0
+    device: str = None
     dp: int = 0
     pp: int = 1
     tp: int = 1
@@ -96,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--metrics-json", metavar="FILE", help="rank 0 writes the run's metrics here")
     p.add_argument("--save", metavar="FILE.npz", help="rank 0 saves the fp32 parameters W0, b0, ...")
     p.add_argument("--log-every", type=int, default=0, help="progress every N steps (default: ~10 lines)")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu", "emulated"), default=None,
+                   help="each worker's device (default: RINGCOMM_DEVICE, else auto)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: world / (pp·tp))")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (model parallelism)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (model parallelism)")
@@ -209,6 +213,14 @@ def train_model_parallel_run(comm, cfg, out):
     return document, None
 
 
+def array_module_for(comm):
+    """Where model state lives: cupy on a GPU worker, numpy otherwise."""
+    if comm.device == "gpu":
+        import cupy
+        return cupy
+    return np
+
+
 def train(comm, cfg, out=print):
     """Run ``cfg`` on this rank; returns ``(metrics document, strategy)``.
 
@@ -227,7 +239,7 @@ def train(comm, cfg, out=print):
     meta = comm.new_group(list(range(n)))  # losses, flags, reports: kept out of the traffic counts
     dataset = load_data(cfg)
     order = datasets.BatchOrder(len(dataset.x), cfg.batch_size, n, cfg.seed)
-    registry, tracer = MemoryRegistry(), Tracer(rank, bool(cfg.trace))
+    registry, tracer = MemoryRegistry(array_module_for(comm)), Tracer(rank, bool(cfg.trace))
     strategy = make_strategy(cfg, comm, meta, init_params(cfg.layers, cfg.seed), registry, tracer)
     if rank == 0:
         out(f"ringcomm.train: {cfg.strategy}{' + offload' if cfg.offload else ''}, {cfg.precision}, "
@@ -256,7 +268,7 @@ def train(comm, cfg, out=print):
                 out(f"checkpoint {path}")
         if step + 1 == kill_at:  # test hook, see _test_kill_at_step
             os.kill(os.getpid(), signal.SIGKILL)
-    params = strategy.full_params()
+    params = [to_host(p) for p in strategy.full_params()]
     accuracy = float((predict(params, dataset.x_test) == dataset.y_test).mean())
     step_time = statistics.median(times) if times else 0.0
     per_rank = report.gather_per_rank(meta, strategy, registry, comm.stats(), len(times), step_time)
@@ -272,14 +284,13 @@ def train(comm, cfg, out=print):
             np.savez(cfg.save, **{name: p for (name, _), p in zip(param_specs(cfg.layers), params)})
     if cfg.trace:
         tracer.write(cfg.trace)
-    meta.close()
-    return document, strategy
+    return document, strategy  # meta stays open: strategy.full_params() may still use it
 
 
 def main(argv=None):
     cfg = parse_args(argv)
     import ringcomm
-    comm = ringcomm.init()
+    comm = ringcomm.init(device=cfg.device)
     try:
         train(comm, cfg)
     finally:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..device import array_module, copy_into
+
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 
 
@@ -108,10 +110,11 @@ class Layout:
 
     def own_shard(self, flat, rank):
         """Rank ``rank``'s shard, gathered from a full flat buffer (a new array)."""
-        return np.concatenate([flat[slice(*u.own_range(rank))] for u in self.units])
+        xp = array_module(flat)
+        return xp.concatenate([flat[slice(*u.own_range(rank))] for u in self.units])
 
     def scatter_shard(self, shard, flat, rank):
         """Write rank ``rank``'s shard into its places in a full flat buffer."""
         for u in self.units:
             lo, hi = u.own_range(rank)
-            flat[lo:hi] = self.shard_view(shard, u)
+            copy_into(flat[lo:hi], self.shard_view(shard, u))

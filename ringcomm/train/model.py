@@ -16,6 +16,8 @@ results stored back in the storage dtype.
 """
 import numpy as np
 
+from ..device import array_module
+
 
 def param_specs(layers):
     """``[(name, shape), ...]`` in model order."""
@@ -66,12 +68,13 @@ def linear_backward(h, W, out, dout, relu, need_dh):
 
 def softmax_cross_entropy(logits, y, global_batch):
     """This rank's share of the mean loss over the global batch, and d(share)/d(logits)."""
+    xp = array_module(logits)
     z = logits.astype(np.float32)
     z = z - z.max(axis=1, keepdims=True)
-    logsum = np.log(np.exp(z).sum(axis=1))
-    rows = np.arange(len(y))
+    logsum = xp.log(xp.exp(z).sum(axis=1))
+    rows = xp.arange(len(y))
     loss_share = float((logsum - z[rows, y]).sum()) / global_batch
-    grad = np.exp(z - logsum[:, None])
+    grad = xp.exp(z - logsum[:, None])
     grad[rows, y] -= 1.0
     grad /= global_batch
     return loss_share, grad

@@ -16,6 +16,8 @@ import math
 
 import numpy as np
 
+from ..device import array_module, copy_into
+
 
 class Adam:
     state_bytes = 8  # m and v, fp32
@@ -42,7 +44,7 @@ class Adam:
         v *= b2
         v += (1 - b2) * grad * grad
         step_size = self.lr / (1 - b1 ** self.t)
-        denom = np.sqrt(v)  # the same order of operations as torch.optim.Adam
+        denom = array_module(v).sqrt(v)  # the same order of operations as torch.optim.Adam
         denom /= math.sqrt(1 - b2 ** self.t)
         denom += self.eps
         param -= step_size * (m / denom)
@@ -51,8 +53,8 @@ class Adam:
         return {"m": self.m, "v": self.v, "t": np.array(self.t)}
 
     def load_state(self, state):
-        self.m[...] = state["m"]
-        self.v[...] = state["v"]
+        copy_into(self.m, state["m"])
+        copy_into(self.v, state["v"])
         self.t = int(state["t"])
 
 

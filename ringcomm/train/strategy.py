@@ -17,6 +17,8 @@ would reach, up to floating-point summation order.
 """
 import numpy as np
 
+from ..device import copy_into, to_host
+
 from ..memory import predicted
 from .layout import Layout
 from .model import linear_backward, linear_forward, param_specs, softmax_cross_entropy
@@ -31,6 +33,7 @@ class Strategy:
         self.comm, self.meta = comm, meta
         self.rank, self.n = comm.rank, comm.world_size
         self.cfg, self.reg, self.trace = cfg, registry, tracer
+        self.xp = registry.xp  # numpy, or cupy when training on a GPU
         self.layers = layers
         self.nlayers = len(layers) - 1
         self.dtype = np.dtype(np.float16 if cfg.precision == "fp16" else np.float32)
@@ -44,7 +47,8 @@ class Strategy:
     # -- the step ---------------------------------------------------------------------------
     def step(self, x, y, global_batch):
         """One training step on this rank's rows; returns the global mean loss."""
-        h = x.astype(self.dtype)
+        h = self.xp.asarray(x, dtype=self.dtype)  # the batch moves to the device here
+        y = self.xp.asarray(y)
         acts = [h]
         for i in range(self.nlayers):
             W, b = self.layer_params(i, "forward")
@@ -72,6 +76,8 @@ class Strategy:
 
     def _update(self):
         grad = self.owned_grad32()
+        if grad is not None and self.cfg.offload:
+            grad = to_host(grad)  # offload: the optimizer step runs on the host
         flags = np.zeros(2)
         if grad is not None:
             if self.mixed:
@@ -169,13 +175,13 @@ class Replicated(Strategy):
     def setup(self, params):
         lay = self.layout
         self.flat_params = self.reg.alloc("params", "params", lay.total, self.dtype)
-        self.flat_params[...] = lay.pack(params, self.dtype)
+        copy_into(self.flat_params, lay.pack(params, self.dtype))
         self.params = lay.views(self.flat_params)
         self.flat_grads = self.reg.alloc("grads", "grads", lay.total, self.dtype)
         self.grads = lay.views(self.flat_grads)
         if self.mixed:
             self.master = self.reg.alloc(self.optimizer_category, "master", lay.total, np.float32)
-            self.master[...] = lay.pack(params, np.float32)
+            copy_into(self.master, lay.pack(params, np.float32))
         else:
             self.master = self.flat_params
         self.make_optimizer(lay.total)
@@ -217,7 +223,7 @@ class Replicated(Strategy):
 
     def write_back(self):
         if self.mixed:
-            self.flat_params[...] = self.master
+            copy_into(self.flat_params, self.master)
 
     def full_params(self):
         source = self.master if self.mixed else self.flat_params
@@ -229,9 +235,9 @@ class Replicated(Strategy):
     def load_state(self, state):
         # fp32: master is the parameter buffer itself; fp16 (and dp ranks other than 0, whose
         # "master" is their fp16 copy): the parameters are the master cast, as write_back does
-        self.master[...] = state["master"]
+        copy_into(self.master, state["master"])
         if self.mixed:
-            self.flat_params[...] = self.master
+            copy_into(self.flat_params, self.master)
         self.optimizer.load_state(state)
 
 
@@ -252,14 +258,14 @@ class ParameterServer(Replicated):
     def setup(self, params):
         lay = self.layout
         self.flat_params = self.reg.alloc("params", "params", lay.total, self.dtype)
-        self.flat_params[...] = lay.pack(params, self.dtype)
+        copy_into(self.flat_params, lay.pack(params, self.dtype))
         self.params = lay.views(self.flat_params)
         self.flat_grads = self.reg.alloc("grads", "grads", lay.total, self.dtype)
         self.grads = lay.views(self.flat_grads)
         owner = self.rank == 0
         if owner and self.mixed:
             self.master = self.reg.alloc(self.optimizer_category, "master", lay.total, np.float32)
-            self.master[...] = lay.pack(params, np.float32)
+            copy_into(self.master, lay.pack(params, np.float32))
         else:
             self.master = self.flat_params
         self.make_optimizer(lay.total if owner else 0)

@@ -23,6 +23,8 @@ gradients at 2, parameters at 3.
 """
 import numpy as np
 
+from ..device import copy_into, to_host
+
 from .strategy import Strategy
 
 SHARD_AT_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
@@ -45,11 +47,11 @@ class Zero(Strategy):
         full = lay.pack(params, self.dtype)
         if self.sharded("params"):
             self.param_shard = self.reg.alloc("params", "param shard", lay.shard_total, self.dtype)
-            self.param_shard[...] = lay.own_shard(full, r)
+            copy_into(self.param_shard, lay.own_shard(full, r))
             self._gathered = {}  # unit index -> (buffer, work)
         else:
             self.flat_params = self.reg.alloc("params", "params", lay.total, self.dtype)
-            self.flat_params[...] = full
+            copy_into(self.flat_params, full)
             self.params = lay.views(self.flat_params)
         if self.sharded("grads"):
             self.grad_shard = self.reg.alloc("grads", "grad shard", lay.shard_total, self.dtype)
@@ -59,7 +61,7 @@ class Zero(Strategy):
             self.grads = lay.views(self.flat_grads)
         if self.mixed:
             self.master = self.reg.alloc(self.optimizer_category, "master shard", lay.shard_total, np.float32)
-            self.master[...] = lay.own_shard(lay.pack(params, np.float32), r)
+            copy_into(self.master, lay.own_shard(lay.pack(params, np.float32), r))
         self.make_optimizer(lay.shard_total)
         self._remaining = {}
         self._pending = []  # (unit, work) reduce-scatters in flight
@@ -177,7 +179,7 @@ class Zero(Strategy):
         if not self.mixed:
             return
         if self.sharded("params"):
-            self.param_shard[...] = self.master
+            copy_into(self.param_shard, self.master)
         else:
             self.layout.scatter_shard(self.master, self.flat_params, self.rank)
 
@@ -202,6 +204,7 @@ class Zero(Strategy):
             shard = self.param_shard.astype(np.float32)
         else:
             return [v.astype(np.float32) for v in lay.views(self.flat_params)]
+        shard = to_host(shard)
         full = np.zeros(lay.total, np.float32)
         for unit in lay.units:
             self.meta.all_gather(full[unit.start:unit.stop], np.ascontiguousarray(lay.shard_view(shard, unit)))
@@ -222,9 +225,9 @@ class Zero(Strategy):
     def load_state(self, state):
         shard = np.asarray(state["master"], np.float32)
         if self.mixed:
-            self.master[...] = shard
+            copy_into(self.master, shard)
         if self.sharded("params"):
-            self.param_shard[...] = shard
+            copy_into(self.param_shard, shard)
         else:  # stages 1-2 hold every parameter: put this shard in place, gather the others
             self.layout.scatter_shard(shard, self.flat_params, self.rank)
             for unit in self.layout.units:

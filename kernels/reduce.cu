@@ -1,0 +1,193 @@
+// Element-wise reduction of a received chunk into the accumulator, in place:
+//     acc[i] = acc[i] (op) incoming[i]          (ringcomm.ops.reduce_into; numpy ufuncs)
+// and the in-place scalings that finish a result:
+//     scale_*:  x[i] = x[i] * factor            (numpy: x *= factor)
+//     divide_*: x[i] = x[i] / divisor           (ringcomm.ops.finalize for avg)
+//
+// Entry points: reduce_{sum,prod,max,min}_{f16,f32,f64,i32,i64}(acc, incoming, n),
+//               scale_{f16,f32,f64}(x, factor, n), divide_{f16,f32,f64}(x, divisor, n).
+// Arrays are flat and contiguous; n is the element count. fp16 scalars are passed as fp32
+// holding an fp16 value (numpy casts a Python scalar to the array's dtype first).
+//
+// Bit-exact with numpy: fp16 operands are widened to fp32, combined with one correctly
+// rounded fp32 operation, and rounded to fp16 once. For +, *, / that equals the correctly
+// rounded fp16 result (fp32 has 24 >= 2*11+2 bits, so double rounding is innocuous), which is
+// what numpy's float16 loops compute. Integers wrap like numpy (two's complement, computed
+// in unsigned arithmetic so there is no signed-overflow UB). max/min propagate NaN like
+// np.maximum / np.minimum and store one operand unchanged (see OpMax below).
+
+// ---- common prelude: identical in every kernels/*.cu (tests/unit/test_kernels.py checks) ----
+// fp16: cuda_fp16.h's __half by default (nvcc has it; CuPy's RawModule finds the copy CuPy
+// bundles). -DRINGCOMM_NO_CUDA_FP16 swaps in a two-byte struct with the same layout and the
+// same two PTX conversions that __half2float / __float2half_rn emit, for an NVRTC that cannot
+// find cuda_fp16.h; ringcomm/kernels.py retries with it. Every floating-point step that must
+// match numpy bit for bit uses the round-to-nearest intrinsics (__fadd_rn, __fmul_rn,
+// __fdiv_rn, __fsqrt_rn, ...), which are never contracted into an FMA.
+#ifndef RINGCOMM_NO_CUDA_FP16
+#include <cuda_fp16.h>
+namespace rc {
+typedef __half half;
+__device__ __forceinline__ float to_float(half h) { return __half2float(h); }
+__device__ __forceinline__ half to_half(float f) { return __float2half_rn(f); }
+__device__ __forceinline__ unsigned short half_bits(half h) { return __half_as_ushort(h); }
+}  // namespace rc
+#else
+namespace rc {
+struct __align__(2) half { unsigned short bits; };
+__device__ __forceinline__ float to_float(half h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
+    return f;
+}
+__device__ __forceinline__ half to_half(float f) {
+    half h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ unsigned short half_bits(half h) { return h.bits; }
+}  // namespace rc
+#endif
+
+namespace rc {
+
+// Finite: the exponent field is not all ones (all ones is inf or nan).
+__device__ __forceinline__ bool is_finite(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+__device__ __forceinline__ bool is_finite(double x) {
+    return (static_cast<unsigned long long>(__double_as_longlong(x)) & 0x7ff0000000000000ull)
+           != 0x7ff0000000000000ull;
+}
+__device__ __forceinline__ bool is_finite(half x) {
+    return (half_bits(x) & 0x7c00u) != 0x7c00u;
+}
+
+// The type arithmetic on T happens in: fp16 is widened to fp32 and rounded back once.
+template <class T> struct Compute {
+    typedef T type;
+    static __device__ __forceinline__ T load(T x) { return x; }
+    static __device__ __forceinline__ T store(T x) { return x; }
+};
+template <> struct Compute<half> {
+    typedef float type;
+    static __device__ __forceinline__ float load(half x) { return to_float(x); }
+    static __device__ __forceinline__ half store(float x) { return to_half(x); }
+};
+
+// Correctly rounded arithmetic, never contracted.
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div(double a, double b) { return __ddiv_rn(a, b); }
+
+}  // namespace rc
+
+// for (long long i = <this thread's first index>; i < n; i += <threads in the grid>)
+#define RC_GRID_STRIDE(i, n)                                                               \
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;     \
+         i < (n); i += static_cast<long long>(blockDim.x) * gridDim.x)
+// ---- end of common prelude ----
+
+namespace rc {
+
+__device__ __forceinline__ int add(int a, int b) {
+    return static_cast<int>(static_cast<unsigned>(a) + static_cast<unsigned>(b));
+}
+__device__ __forceinline__ long long add(long long a, long long b) {
+    return static_cast<long long>(static_cast<unsigned long long>(a) +
+                                  static_cast<unsigned long long>(b));
+}
+__device__ __forceinline__ int mul(int a, int b) {
+    return static_cast<int>(static_cast<unsigned>(a) * static_cast<unsigned>(b));
+}
+__device__ __forceinline__ long long mul(long long a, long long b) {
+    return static_cast<long long>(static_cast<unsigned long long>(a) *
+                                  static_cast<unsigned long long>(b));
+}
+
+struct OpSum {
+    template <class C> static __device__ __forceinline__ C apply(C a, C b) { return add(a, b); }
+};
+struct OpProd {
+    template <class C> static __device__ __forceinline__ C apply(C a, C b) { return mul(a, b); }
+};
+// max/min return one of the two operands unchanged (no fp16 re-rounding, NaN payloads
+// kept). NaN wins, and on a tie (-0 vs +0) the pick follows numpy 2.x on x86: the incoming
+// operand for fp32/fp64 (SIMD max/min semantics), the accumulator for fp16 (npy_half_ge).
+// Values never differ, only the sign of a zero result.
+template <class T> struct TieToAcc { static const bool value = false; };
+template <> struct TieToAcc<half> { static const bool value = true; };
+
+struct OpMax {
+    template <class C> static __device__ __forceinline__ bool keep_acc(C a, C b, bool tie_to_acc) {
+        return a > b || a != a || (tie_to_acc && a == b);  // a != a only for NaN
+    }
+};
+struct OpMin {
+    template <class C> static __device__ __forceinline__ bool keep_acc(C a, C b, bool tie_to_acc) {
+        return a < b || a != a || (tie_to_acc && a == b);
+    }
+};
+
+template <class T, class Op>
+__device__ __forceinline__ void reduce_impl(T* acc, const T* incoming, long long n) {
+    typedef Compute<T> C;
+    RC_GRID_STRIDE(i, n) {
+        acc[i] = C::store(Op::apply(C::load(acc[i]), C::load(incoming[i])));
+    }
+}
+
+template <class T, class Op>
+__device__ __forceinline__ void select_impl(T* acc, const T* incoming, long long n) {
+    typedef Compute<T> C;
+    RC_GRID_STRIDE(i, n) {
+        const T a = acc[i], b = incoming[i];
+        if (!Op::keep_acc(C::load(a), C::load(b), TieToAcc<T>::value)) acc[i] = b;
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void scale_impl(T* x, typename Compute<T>::type factor, long long n) {
+    typedef Compute<T> C;
+    RC_GRID_STRIDE(i, n) { x[i] = C::store(mul(C::load(x[i]), factor)); }
+}
+
+template <class T>
+__device__ __forceinline__ void divide_impl(T* x, typename Compute<T>::type divisor, long long n) {
+    typedef Compute<T> C;
+    RC_GRID_STRIDE(i, n) { x[i] = C::store(div(C::load(x[i]), divisor)); }
+}
+
+}  // namespace rc
+
+#define RC_REDUCE_ENTRY(opname, impl, Op, suffix, T)                                       \
+    extern "C" __global__ void reduce_##opname##_##suffix(T* acc, const T* incoming,     \
+                                                          long long n) {                  \
+        rc::impl<T, rc::Op>(acc, incoming, n);                                            \
+    }
+
+#define RC_REDUCE_ALL_OPS(suffix, T)                                                       \
+    RC_REDUCE_ENTRY(sum, reduce_impl, OpSum, suffix, T)                                    \
+    RC_REDUCE_ENTRY(prod, reduce_impl, OpProd, suffix, T)                                  \
+    RC_REDUCE_ENTRY(max, select_impl, OpMax, suffix, T)                                    \
+    RC_REDUCE_ENTRY(min, select_impl, OpMin, suffix, T)
+
+RC_REDUCE_ALL_OPS(f16, rc::half)
+RC_REDUCE_ALL_OPS(f32, float)
+RC_REDUCE_ALL_OPS(f64, double)
+RC_REDUCE_ALL_OPS(i32, int)
+RC_REDUCE_ALL_OPS(i64, long long)
+
+#define RC_SCALE_ENTRIES(suffix, T, S)                                                     \
+    extern "C" __global__ void scale_##suffix(T* x, S factor, long long n) {              \
+        rc::scale_impl<T>(x, factor, n);                                                   \
+    }                                                                                      \
+    extern "C" __global__ void divide_##suffix(T* x, S divisor, long long n) {            \
+        rc::divide_impl<T>(x, divisor, n);                                                 \
+    }
+
+RC_SCALE_ENTRIES(f16, rc::half, float)
+RC_SCALE_ENTRIES(f32, float, float)
+RC_SCALE_ENTRIES(f64, double, double)

@@ -1,0 +1,194 @@
+"""numpy references for the CUDA kernels in this directory: what the CPU path computes.
+
+Each function has the semantics of the kernels beside it (see the header of each ``.cu``) and
+the arithmetic of the CPU code it stands for, bit for bit:
+
+- :func:`reduce`, :func:`scale`, :func:`divide`, :func:`finalize` -- ``reduce.cu``;
+  ``ringcomm.ops.reduce_into`` / ``ringcomm.ops.finalize``.
+- :func:`adam_step`, :func:`grad_overflow` -- ``adam.cu``; ``Strategy._update`` (unscale, overflow check, clipping)
+  followed by ``ringcomm.train.optim.Adam.update`` (torch.optim.Adam's order of operations)
+  and ``write_back`` (the fp16 copy of the master).
+- :func:`scale_cast`, :func:`unscale`, :func:`found_nonfinite` -- ``cast.cu``.
+- :func:`sq_norm_partial`, :func:`sq_norm` -- ``norm.cu``; the squared norm the strategy
+  computes for clipping.
+
+Arrays are modified in place where the kernel modifies them. Scalars are taken as Python
+floats so that numpy rounds them to the array's dtype (NEP 50 "weak" scalars), exactly as the
+CPU path's Python-float arithmetic does; the CUDA wrappers pass the same roundings.
+
+This file depends on numpy only; ``ringcomm.kernels`` loads it by path (it ships with the
+``.cu`` sources, see README.md).
+"""
+import math
+
+import numpy as np
+
+# -- reduce.cu ---------------------------------------------------------------------------------
+
+_UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+REDUCE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
+SCALE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))
+
+
+def op_name(op):
+    """``"sum"`` for ``"sum"``, ``"SUM"`` or ``ReduceOp.SUM``; ValueError for anything else."""
+    name = getattr(op, "value", op)
+    if not isinstance(name, str) or name.lower() not in _UFUNC:
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(_UFUNC)}")
+    return name.lower()
+
+
+def reduce(op, acc, incoming):
+    """In place: ``acc = acc (op) incoming``; returns ``acc``. ``avg`` adds (see :func:`finalize`).
+
+    fp16 is computed by numpy as fp32 rounded once to fp16, integers wrap, max/min propagate
+    NaN -- the kernel's ``reduce_<op>_<dtype>``.
+    """
+    return _UFUNC[op_name(op)](acc, incoming, out=acc)
+
+
+def scale(x, factor):
+    """In place: ``x *= factor`` with ``factor`` rounded to ``x.dtype`` first; returns ``x``."""
+    return np.multiply(x, x.dtype.type(float(factor)), out=x)
+
+
+def divide(x, divisor):
+    """In place: ``x /= divisor`` with ``divisor`` rounded to ``x.dtype`` first; returns ``x``."""
+    return np.true_divide(x, x.dtype.type(float(divisor)), out=x)
+
+
+def finalize(op, acc, n):
+    """In place: a finished sum over ``n`` ranks becomes the result of ``op`` (avg divides)."""
+    if op_name(op) == "avg" and acc.size:
+        divide(acc, n)
+    return acc
+
+
+# -- adam.cu -----------------------------------------------------------------------------------
+
+def adam_scalars(lr, beta1, beta2, eps, weight_decay, step, loss_scale, clip_coef=1.0):
+    """The scalars ``adam_step_*`` takes, as the CPU path computes them (Python doubles): the
+    kernel receives each rounded to fp32, which is what numpy does with them."""
+    lr, beta1, beta2, eps, step = float(lr), float(beta1), float(beta2), float(eps), int(step)
+    return {
+        "loss_scale": float(loss_scale),
+        "clip_coef": float(clip_coef),
+        "weight_decay": float(weight_decay),
+        "use_weight_decay": bool(weight_decay),
+        "beta1": beta1,
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "step_size": lr / (1 - beta1 ** step),
+        "bias_correction2_sqrt": math.sqrt(1 - beta2 ** step),
+        "eps": eps,
+    }
+
+
+def grad_overflow(grad, loss_scale):
+    """True if ``fp32(grad) / loss_scale`` has an inf or NaN: the CPU path's overflow check
+    (``adam_unscale_check_<dtype>``). ``grad`` is not modified."""
+    g = grad.astype(np.float32)
+    g /= float(loss_scale)
+    return not bool(np.isfinite(g).all())
+
+
+def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
+              param_out=None, clip_coef=1.0, skip_if_nonfinite=True):
+    """One Adam step (step number ``step`` >= 1) on the fp32 ``master`` with its fp32 state
+    ``m``, ``v``, from ``grad`` (fp16 or fp32, still multiplied by ``loss_scale``).
+
+    Returns ``found_inf``: True if the unscaled gradient has an inf or NaN, in which case
+    nothing is changed (the step is skipped). Otherwise updates ``master``, ``m``, ``v`` in
+    place and, if given, writes ``param_out[...] = master`` (the fp16 parameters). ``grad`` is
+    never modified. ``clip_coef`` multiplies the unscaled gradient (global-norm clipping).
+
+    ``skip_if_nonfinite=False``: no check, the step is taken and False returned -- for a
+    caller that has already decided, as the trainer does across ranks (overflow on any rank
+    skips the step on all; without loss scaling the CPU path never skips).
+    """
+    s = adam_scalars(lr, beta1, beta2, eps, weight_decay, step, loss_scale, clip_coef)
+    g = grad.astype(np.float32)  # a copy, as owned_grad32()
+    g /= s["loss_scale"]
+    if skip_if_nonfinite and not np.isfinite(g).all():
+        return True
+    g *= s["clip_coef"]  # exact when 1
+    if s["use_weight_decay"]:
+        g += s["weight_decay"] * master
+    m *= s["beta1"]
+    m += s["one_minus_beta1"] * g
+    v *= s["beta2"]
+    v += s["one_minus_beta2"] * g * g
+    denom = np.sqrt(v)
+    denom /= s["bias_correction2_sqrt"]
+    denom += s["eps"]
+    master -= s["step_size"] * (m / denom)
+    if param_out is not None:
+        param_out[...] = master
+    return False
+
+
+# -- cast.cu -----------------------------------------------------------------------------------
+
+def scale_cast(src, dst, scale=1.0):
+    """``dst[...] = src * scale``: fp32 -> fp16 (``cast_f32_to_f16``) or fp16 -> fp32
+    (``cast_f16_to_f32``); the product is taken in fp32 and rounded to ``dst.dtype`` once.
+    With ``scale=1`` this is the CPU path's ``flat_params[...] = master``. Returns ``dst``."""
+    product = np.multiply(src.astype(np.float32, copy=False), np.float32(float(scale)))
+    dst[...] = product
+    return dst
+
+
+def unscale(src, dst, loss_scale):
+    """``dst[...] = fp32(src) / loss_scale``; True if some result is inf or NaN (the CPU
+    path's ``grad /= scale; not np.isfinite(grad).all()``). ``src`` may be ``dst``."""
+    if src is not dst:
+        dst[...] = src
+    dst /= float(loss_scale)
+    return not bool(np.isfinite(dst).all())
+
+
+def found_nonfinite(x):
+    """True if ``x`` holds an inf or NaN (``find_nonfinite_<dtype>``)."""
+    return not bool(np.isfinite(x).all())
+
+
+# -- norm.cu -----------------------------------------------------------------------------------
+
+NORM_VARIANTS = (("float16", "float32"), ("float16", "float64"), ("float32", "float32"),
+                 ("float32", "float64"), ("float64", "float64"))
+
+
+def default_blocks(n, threads=256, max_blocks=1024):
+    """The grid ``sq_norm_partial`` uses for ``n`` elements: one block per ``threads``
+    elements, at most ``max_blocks`` (then each block strides over the rest)."""
+    return max(1, min(max_blocks, -(-n // threads)))
+
+
+def _unscaled(x, loss_scale):
+    compute = np.float64 if x.dtype == np.float64 else np.float32
+    u = x.astype(compute)
+    u /= float(loss_scale)
+    return u
+
+
+def sq_norm_partial(x, loss_scale=1.0, num_blocks=None, threads=256, acc_dtype=np.float64):
+    """Per-block partial sums of ``(x / loss_scale) ** 2`` as ``sq_norm_partial_<in>_<acc>``
+    lays them out: block b sums the elements i with ``(i // threads) % num_blocks == b``.
+    The quotient is taken in fp32 (fp64 for fp64 input), the square and the sum in
+    ``acc_dtype``. Returns an array of ``num_blocks`` partial sums of dtype ``acc_dtype``."""
+    x = np.ravel(x)
+    if num_blocks is None:
+        num_blocks = default_blocks(x.size, threads)
+    u = _unscaled(x, loss_scale).astype(acc_dtype)
+    blocks = (np.arange(x.size, dtype=np.int64) // threads) % num_blocks
+    sums = np.bincount(blocks, weights=(u * u).astype(np.float64), minlength=num_blocks)
+    return sums.astype(acc_dtype)
+
+
+def sq_norm(x, loss_scale=1.0):
+    """The squared L2 norm of ``x / loss_scale`` exactly as the strategy computes it for
+    clipping: ``float(np.dot(grad.astype(np.float64), grad))`` on the unscaled fp32 grad."""
+    u = _unscaled(np.ravel(x), loss_scale)
+    return float(np.dot(u.astype(np.float64), u))

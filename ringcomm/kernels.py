@@ -1,0 +1,454 @@
+"""The CUDA kernels of ``kernels/`` and their numpy references, behind one set of functions.
+
+Every function takes numpy or CuPy arrays (all of one kind) and works in place where the
+kernel does:
+
+- ``reduce(op, acc, incoming)``, ``finalize(op, acc, n)``, ``scale(x, factor)``,
+  ``divide(x, divisor)`` -- ``kernels/reduce.cu``;
+- ``adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
+  param_out=None, clip_coef=1.0, skip_if_nonfinite=True) -> found_inf``,
+  ``grad_overflow(grad, loss_scale)`` -- ``kernels/adam.cu``;
+- ``scale_cast(src, dst, scale=1.0)``, ``unscale(src, dst, loss_scale) -> found_inf``,
+  ``found_nonfinite(x)`` -- ``kernels/cast.cu``;
+- ``sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=float64)``,
+  ``sq_norm(x, loss_scale=1.0) -> float`` -- ``kernels/norm.cu``.
+
+numpy arrays go to the references (``kernels/reference.py``, what the CPU path computes);
+CuPy arrays go to the kernels, compiled once per process and device with
+``cupy.RawModule(code=module_source(name), options=("-std=c++17",))`` and launched on the
+current stream.
+:func:`backend` says which of the two this process can use: ``"cupy"`` when CuPy imports and
+sees a device, else ``"numpy"``.
+
+The sources are found in :func:`kernel_dir`: ``$RINGCOMM_KERNELS_DIR`` if set; the
+repository's ``kernels/`` in a source checkout or editable install; else the copy an installed
+package ships in ``ringcomm/_kernels/``.
+"""
+import functools
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SOURCES = ("reduce", "adam", "cast", "norm")
+THREADS = 256  # threads per block of every launch (norm.cu needs a multiple of 32)
+
+_SUFFIX = {"float16": "f16", "float32": "f32", "float64": "f64", "int32": "i32", "int64": "i64"}
+_REDUCE_OPS = ("sum", "prod", "max", "min")
+
+
+def _entry_points():
+    """Every ``extern "C" __global__`` name each source defines (checked against the PTX)."""
+    reduce_entries = [f"reduce_{op}_{sfx}" for sfx in _SUFFIX.values() for op in _REDUCE_OPS]
+    reduce_entries += [f"{kind}_{sfx}" for kind in ("scale", "divide") for sfx in ("f16", "f32", "f64")]
+    return {
+        "reduce": tuple(reduce_entries),
+        "adam": ("adam_unscale_check_f16", "adam_unscale_check_f32", "adam_step_f16", "adam_step_f32"),
+        "cast": ("cast_f32_to_f16", "cast_f16_to_f32", "unscale_f16_to_f32", "unscale_f32",
+                 "find_nonfinite_f16", "find_nonfinite_f32", "find_nonfinite_f64"),
+        "norm": tuple(f"sq_norm_partial_{_SUFFIX[i]}_{_SUFFIX[a]}" for i, a in
+                      (("float16", "float32"), ("float16", "float64"), ("float32", "float32"),
+                       ("float32", "float64"), ("float64", "float64"))),
+    }
+
+
+ENTRY_POINTS = _entry_points()
+
+# -- finding the sources ------------------------------------------------------------------------
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _has_sources(d):
+    return all((d / f"{name}.cu").is_file() for name in SOURCES) and (d / "reference.py").is_file()
+
+
+def kernel_dir():
+    """The directory holding the ``*.cu`` sources and ``reference.py``.
+
+    ``$RINGCOMM_KERNELS_DIR`` wins; then ``kernels/`` beside the package in a source tree
+    (editable installs; recognised by the ``setup.cfg`` next to it, so an unrelated top-level
+    ``kernels`` in site-packages is never picked up); then ``ringcomm/_kernels/`` (installed).
+    Looked up once per process (per value of the variable).
+    """
+    return _kernel_dir(os.environ.get("RINGCOMM_KERNELS_DIR") or None)
+
+
+@functools.cache
+def _kernel_dir(override):
+    if override:
+        d = Path(override)
+        if not _has_sources(d):
+            raise FileNotFoundError(f"RINGCOMM_KERNELS_DIR={override!r} lacks the kernel sources "
+                                    f"({', '.join(s + '.cu' for s in SOURCES)}, reference.py)")
+        return d
+    root = _HERE.parent
+    candidates = []
+    if (root / "setup.cfg").is_file() or (root / "pyproject.toml").is_file():
+        candidates.append(root / "kernels")
+    candidates.append(_HERE / "_kernels")
+    for d in candidates:
+        if _has_sources(d):
+            return d
+    raise FileNotFoundError("ringcomm's CUDA kernel sources are missing: looked in "
+                            + ", ".join(str(d) for d in candidates)
+                            + " (an installed package ships them in ringcomm/_kernels/)")
+
+
+def source_path(name):
+    """Path of ``kernels/<name>.cu``."""
+    if name not in SOURCES:
+        raise ValueError(f"unknown kernel source {name!r}; expected one of {SOURCES}")
+    return kernel_dir() / f"{name}.cu"
+
+
+@functools.cache
+def _reference_module(path):
+    spec = importlib.util.spec_from_file_location("ringcomm._kernel_reference", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules.setdefault("ringcomm._kernel_reference", mod)
+    return mod
+
+
+def reference_module():
+    """``kernels/reference.py``, imported from :func:`kernel_dir`."""
+    return _reference_module(str(kernel_dir() / "reference.py"))
+
+
+def __getattr__(name):  # ``ringcomm.kernels.reference``, loaded on first use
+    if name == "reference":
+        return reference_module()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- CuPy ---------------------------------------------------------------------------------------
+
+@functools.cache
+def _cupy():
+    """The ``cupy`` module, or None when it is not importable."""
+    try:
+        import cupy
+    except Exception:  # ImportError, or a broken CUDA install raising at import
+        return None
+    return cupy
+
+
+@functools.cache
+def backend():
+    """``"cupy"`` if CuPy imports and a CUDA device is visible, else ``"numpy"``."""
+    cp = _cupy()
+    if cp is None:
+        return "numpy"
+    try:
+        return "cupy" if cp.cuda.runtime.getDeviceCount() > 0 else "numpy"
+    except Exception:  # no driver, no device
+        return "numpy"
+
+
+def _is_cupy(x):
+    cp = _cupy()
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def _on_gpu(*arrays):
+    """True if the arrays are CuPy arrays, False if numpy; TypeError for a mix or anything else."""
+    present = [a for a in arrays if a is not None]
+    kinds = {"cupy" if _is_cupy(a) else "numpy" if isinstance(a, np.ndarray) else type(a).__name__
+             for a in present}
+    if kinds == {"numpy"}:
+        return False
+    if kinds == {"cupy"}:
+        return True
+    raise TypeError(f"expected numpy arrays or CuPy arrays, not a mix: got {sorted(kinds)}")
+
+
+COMPILE_OPTIONS = ("-std=c++17",)
+NO_CUDA_FP16 = "-DRINGCOMM_NO_CUDA_FP16"
+
+
+def module_source(name):
+    """The code ``cupy.RawModule`` compiles: ``kernels/<name>.cu``, which is self-contained
+    (each file carries the same prelude: fp16 type, finiteness tests, grid-stride loop)."""
+    return source_path(name).read_text()
+
+
+def compile_with_fallback(compile, code):
+    """``compile(code, COMPILE_OPTIONS)``; if that fails over ``cuda_fp16.h`` (an NVRTC that
+    cannot find or parse it), once more with ``-DRINGCOMM_NO_CUDA_FP16``, which makes
+    the kernels use their own fp16 type. Returns what ``compile`` returns."""
+    try:
+        return compile(code, COMPILE_OPTIONS)
+    except Exception as exc:  # cupy.cuda.compiler.CompileException: the message is NVRTC's log
+        if "cuda_fp16" not in str(exc):
+            raise
+    return compile(code, COMPILE_OPTIONS + (NO_CUDA_FP16,))
+
+
+@functools.cache
+def _module(name, device_id):
+    cp = _cupy()
+
+    def build(code, options):
+        mod = cp.RawModule(code=code, options=options)
+        mod.compile()
+        return mod
+
+    return compile_with_fallback(build, module_source(name))
+
+
+@functools.cache
+def _function(source, entry, device_id):
+    return _module(source, device_id).get_function(entry)
+
+
+def _kernel(source, entry):
+    """The ``cupy.RawKernel`` for ``entry`` of ``kernels/<source>.cu`` on the current device."""
+    return _function(source, entry, _cupy().cuda.Device().id)
+
+
+@functools.cache
+def _max_blocks(device_id):
+    cp = _cupy()
+    return 32 * int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _launch(source, entry, n, args, blocks=None):
+    """Launch ``entry`` with THREADS threads per block, over at most a few waves of blocks
+    (the grid-stride loops take the rest); nothing for n == 0 unless ``blocks`` is given."""
+    cp = _cupy()
+    if blocks is None:
+        if n == 0:
+            return
+        blocks = min(-(-n // THREADS), _max_blocks(cp.cuda.Device().id))
+    _kernel(source, entry)((blocks,), (THREADS,), args)
+
+
+def _flat(x, name):
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be contiguous for the CUDA kernels")
+    return x.reshape(-1)
+
+
+def _same_size(**arrays):
+    sizes = {name: a.size for name, a in arrays.items() if a is not None}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"sizes differ: {sizes}")
+
+
+def _need_dtype(x, name, *dtypes):
+    if x.dtype.name not in dtypes:
+        raise TypeError(f"{name} has dtype {x.dtype.name}; the kernel takes {', '.join(dtypes)}")
+
+
+def _scalar_for(dtype, value):
+    """A scalar of the kernel's parameter type holding ``value`` rounded to ``dtype`` (fp16
+    scalars travel as fp32 holding an fp16 value)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return np.float32(np.float16(value))
+    return dtype.type(value)
+
+
+def _flag(cp):
+    return cp.zeros(1, dtype=np.int32)
+
+
+# -- reduce.cu ----------------------------------------------------------------------------------
+
+def reduce(op, acc, incoming):
+    """In place: ``acc = acc (op) incoming``; returns ``acc`` (``ringcomm.ops.reduce_into``)."""
+    ref = reference_module()
+    if not _on_gpu(acc, incoming):
+        return ref.reduce(op, acc, incoming)
+    name = ref.op_name(op)
+    if incoming.dtype != acc.dtype:
+        raise TypeError(f"dtypes differ: acc {acc.dtype.name}, incoming {incoming.dtype.name}")
+    _need_dtype(acc, "acc", *_SUFFIX)
+    _same_size(acc=acc, incoming=incoming)
+    kernel_op = "sum" if name == "avg" else name
+    a, b = _flat(acc, "acc"), _flat(incoming, "incoming")
+    _launch("reduce", f"reduce_{kernel_op}_{_SUFFIX[acc.dtype.name]}", a.size,
+            (a, b, np.int64(a.size)))
+    return acc
+
+
+def _scale_like(kind, x, value):
+    _need_dtype(x, "x", "float16", "float32", "float64")
+    flat = _flat(x, "x")
+    _launch("reduce", f"{kind}_{_SUFFIX[x.dtype.name]}", flat.size,
+            (flat, _scalar_for(x.dtype, value), np.int64(flat.size)))
+    return x
+
+
+def scale(x, factor):
+    """In place: ``x *= factor`` (``factor`` rounded to ``x.dtype``); returns ``x``."""
+    if not _on_gpu(x):
+        return reference_module().scale(x, factor)
+    return _scale_like("scale", x, float(factor))
+
+
+def divide(x, divisor):
+    """In place: ``x /= divisor`` (``divisor`` rounded to ``x.dtype``); returns ``x``."""
+    if not _on_gpu(x):
+        return reference_module().divide(x, divisor)
+    return _scale_like("divide", x, float(divisor))
+
+
+def finalize(op, acc, n):
+    """In place: a finished sum over ``n`` ranks becomes the result of ``op`` (avg divides);
+    ``ringcomm.ops.finalize``."""
+    if not _on_gpu(acc):
+        return reference_module().finalize(op, acc, n)
+    if reference_module().op_name(op) == "avg" and acc.size:
+        divide(acc, n)
+    return acc
+
+
+# -- adam.cu ------------------------------------------------------------------------------------
+
+def grad_overflow(grad, loss_scale):
+    """True if ``fp32(grad) / loss_scale`` has an inf or NaN (the CPU path's overflow check),
+    without writing the unscaled gradient anywhere."""
+    if not _on_gpu(grad):
+        return reference_module().grad_overflow(grad, loss_scale)
+    cp = _cupy()
+    _need_dtype(grad, "grad", "float16", "float32")
+    found = _flag(cp)
+    flat = _flat(grad, "grad")
+    _launch("adam", f"adam_unscale_check_{_SUFFIX[grad.dtype.name]}", flat.size,
+            (flat, np.float32(float(loss_scale)), found, np.int64(flat.size)))
+    return bool(int(found.get()[0]))
+
+
+def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
+              param_out=None, clip_coef=1.0, skip_if_nonfinite=True):
+    """One fused Adam step; returns ``found_inf`` (True: inf/NaN in the unscaled gradient,
+    nothing changed). ``skip_if_nonfinite=False``: the caller has decided to take the step
+    (e.g. after agreeing on overflow across ranks); no check, returns False. See
+    ``kernels/reference.py:adam_step`` for the exact semantics.
+
+    On CuPy arrays: the overflow check and the update are two launches on the current stream
+    (the update reads the flag on the device), then one synchronisation to return the flag;
+    with ``skip_if_nonfinite=False`` one launch and no synchronisation."""
+    ref = reference_module()
+    if not _on_gpu(master, grad, m, v, param_out):
+        return ref.adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step,
+                             loss_scale, param_out=param_out, clip_coef=clip_coef,
+                             skip_if_nonfinite=skip_if_nonfinite)
+    cp = _cupy()
+    for x, name in ((master, "master"), (m, "m"), (v, "v")):
+        _need_dtype(x, name, "float32")
+    _need_dtype(grad, "grad", "float16", "float32")
+    if param_out is not None:
+        _need_dtype(param_out, "param_out", "float16")
+    _same_size(master=master, grad=grad, m=m, v=v, param_out=param_out)
+    s = ref.adam_scalars(lr, beta1, beta2, eps, weight_decay, step, loss_scale, clip_coef)
+    n = master.size
+    flat = [_flat(x, name) for x, name in ((master, "master"), (grad, "grad"), (m, "m"), (v, "v"))]
+    sfx = _SUFFIX[grad.dtype.name]
+    found = _flag(cp)
+    if skip_if_nonfinite:
+        _launch("adam", f"adam_unscale_check_{sfx}", n,
+                (flat[1], np.float32(s["loss_scale"]), found, np.int64(n)))
+    out = _flat(param_out, "param_out") if param_out is not None else cp.empty(1, np.float16)
+    f32 = np.float32
+    _launch("adam", f"adam_step_{sfx}", n, (
+        flat[0], flat[1], flat[2], flat[3], out, np.int32(param_out is not None), found,
+        f32(s["loss_scale"]), f32(s["clip_coef"]), f32(s["weight_decay"]),
+        np.int32(s["use_weight_decay"]), f32(s["beta1"]), f32(s["one_minus_beta1"]),
+        f32(s["beta2"]), f32(s["one_minus_beta2"]), f32(s["step_size"]),
+        f32(s["bias_correction2_sqrt"]), f32(s["eps"]), np.int64(n)))
+    return bool(int(found.get()[0])) if skip_if_nonfinite else False
+
+
+# -- cast.cu ------------------------------------------------------------------------------------
+
+def scale_cast(src, dst, scale=1.0):
+    """``dst[...] = src * scale`` between fp32 and fp16 (product in fp32, one rounding);
+    returns ``dst``."""
+    if not _on_gpu(src, dst):
+        return reference_module().scale_cast(src, dst, scale)
+    _same_size(src=src, dst=dst)
+    pair = (src.dtype.name, dst.dtype.name)
+    entry = {("float32", "float16"): "cast_f32_to_f16", ("float16", "float32"): "cast_f16_to_f32"}.get(pair)
+    if entry is None:
+        raise TypeError(f"scale_cast converts float32 <-> float16, not {pair[0]} -> {pair[1]}")
+    a, b = _flat(src, "src"), _flat(dst, "dst")
+    _launch("cast", entry, a.size, (a, b, np.float32(float(scale)), np.int64(a.size)))
+    return dst
+
+
+def unscale(src, dst, loss_scale):
+    """``dst[...] = fp32(src) / loss_scale`` (``src`` fp16, or fp32 and the same array as
+    ``dst``); returns True if some result is inf or NaN."""
+    if not _on_gpu(src, dst):
+        return reference_module().unscale(src, dst, loss_scale)
+    cp = _cupy()
+    _need_dtype(dst, "dst", "float32")
+    _same_size(src=src, dst=dst)
+    found = _flag(cp)
+    d = _flat(dst, "dst")
+    if src.dtype == np.float16:
+        _launch("cast", "unscale_f16_to_f32", d.size,
+                (_flat(src, "src"), d, np.float32(float(loss_scale)), found, np.int64(d.size)))
+    elif src.dtype == np.float32:
+        if src is not dst:
+            dst[...] = src
+        _launch("cast", "unscale_f32", d.size,
+                (d, np.float32(float(loss_scale)), found, np.int64(d.size)))
+    else:
+        raise TypeError(f"unscale takes a float16 or float32 source, not {src.dtype.name}")
+    return bool(int(found.get()[0]))
+
+
+def found_nonfinite(x):
+    """True if ``x`` holds an inf or NaN."""
+    if not _on_gpu(x):
+        return reference_module().found_nonfinite(x)
+    cp = _cupy()
+    _need_dtype(x, "x", "float16", "float32", "float64")
+    found = _flag(cp)
+    flat = _flat(x, "x")
+    _launch("cast", f"find_nonfinite_{_SUFFIX[x.dtype.name]}", flat.size,
+            (flat, found, np.int64(flat.size)))
+    return bool(int(found.get()[0]))
+
+
+# -- norm.cu ------------------------------------------------------------------------------------
+
+def sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=np.float64):
+    """Per-block partial sums of ``(x / loss_scale) ** 2`` (``num_blocks`` of them, dtype
+    ``acc_dtype``); their sum is the squared norm. Same array kind as ``x``."""
+    ref = reference_module()
+    if not _on_gpu(x):
+        return ref.sq_norm_partial(x, loss_scale, num_blocks, THREADS, acc_dtype)
+    cp = _cupy()
+    acc_dtype = np.dtype(acc_dtype)
+    if (x.dtype.name, acc_dtype.name) not in ref.NORM_VARIANTS:
+        raise TypeError(f"no squared-norm kernel for {x.dtype.name} input with {acc_dtype.name} "
+                        f"accumulation; have {ref.NORM_VARIANTS}")
+    flat = _flat(x, "x")
+    if num_blocks is None:
+        num_blocks = ref.default_blocks(flat.size, THREADS)
+    partial = cp.empty(num_blocks, dtype=acc_dtype)
+    divisor = np.float64(loss_scale) if x.dtype == np.float64 else np.float32(loss_scale)
+    entry = f"sq_norm_partial_{_SUFFIX[x.dtype.name]}_{_SUFFIX[acc_dtype.name]}"
+    _launch("norm", entry, flat.size, (flat, divisor, partial, np.int64(flat.size)),
+            blocks=num_blocks)
+    return partial
+
+
+def sq_norm(x, loss_scale=1.0):
+    """Squared L2 norm of ``x / loss_scale`` as a Python float (fp64 accumulation)."""
+    if not _on_gpu(x):
+        return reference_module().sq_norm(x, loss_scale)
+    return float(sq_norm_partial(x, loss_scale).sum(dtype=np.float64).get())
+
+
+__all__ = ["COMPILE_OPTIONS", "ENTRY_POINTS", "NO_CUDA_FP16", "SOURCES", "THREADS", "adam_step",
+           "backend", "compile_with_fallback", "divide", "finalize", "found_nonfinite",
+           "grad_overflow", "kernel_dir", "module_source", "reduce", "reference_module", "scale",
+           "scale_cast", "source_path", "sq_norm", "sq_norm_partial", "unscale"]

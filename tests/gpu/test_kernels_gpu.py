@@ -1,0 +1,235 @@
+"""Every CUDA kernel of kernels/ against its numpy reference, on random data, on a GPU.
+
+Bit for bit wherever the reference is (reduce, scale/divide, Adam, casts, flags); the squared
+norm to rounding (a different summation order). NaN payloads are the one thing allowed to
+differ in arithmetic results: the GPU returns the canonical NaN."""
+import zlib
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy", reason="GPU kernel tests need CuPy")
+try:
+    _DEVICES = cp.cuda.runtime.getDeviceCount()
+except Exception as exc:  # CuPy without a driver
+    pytest.skip(f"GPU kernel tests need a CUDA device; CuPy cannot query one ({exc})",
+                allow_module_level=True)
+if _DEVICES < 1:
+    pytest.skip("GPU kernel tests need a CUDA device; CuPy sees none", allow_module_level=True)
+
+from ringcomm import kernels  # noqa: E402
+
+ref = kernels.reference_module()
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+SIZES = (1, 1000, 3 * 2 ** 20 + 7)  # the last one strides: more elements than threads
+FLOATS = ("float16", "float32", "float64")
+
+
+def bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def assert_same(got, want, nan_payload=True):
+    """Identical bits; with nan_payload=False any NaN matches any NaN."""
+    got = cp.asnumpy(got) if isinstance(got, cp.ndarray) else got
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if not nan_payload and got.dtype.kind == "f":
+        nan = np.isnan(want)
+        assert (np.isnan(got) == nan).all(), "NaN in different places"
+        got, want = got[~nan], want[~nan]
+    diff = np.flatnonzero(bits(got) != bits(want))
+    assert diff.size == 0, (f"{diff.size} of {got.size} differ; first at {diff[0]}: "
+                            f"{got[diff[0]]!r} vs {want[diff[0]]!r}")
+
+
+def data(dtype, n, rng, specials=True, spread=100.0):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "i":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    x = (rng.standard_normal(n) * spread).astype(dtype)
+    if specials and n >= 8:
+        idx = rng.choice(n, size=max(8, n // 50), replace=False)
+        x[idx] = rng.choice(np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0], dtype), idx.size)
+    return x
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def test_backend_and_every_entry_point():
+    assert kernels.backend() == "cupy"
+    for source, entries in kernels.ENTRY_POINTS.items():
+        for entry in entries:
+            kernels._kernel(source, entry)
+
+
+@pytest.mark.parametrize("variant", ["cuda_fp16.h", "no header"])
+def test_modules_compile_with_and_without_cuda_fp16_header(variant, rng):
+    """The kernels' own fp16 (-DRINGCOMM_NO_CUDA_FP16) gives the same results as cuda_fp16.h."""
+    options = kernels.COMPILE_OPTIONS + ((kernels.NO_CUDA_FP16,) if variant == "no header" else ())
+    mods = {name: cp.RawModule(code=kernels.module_source(name), options=options)
+            for name in kernels.SOURCES}
+    for mod in mods.values():
+        try:
+            mod.compile()
+        except Exception as exc:
+            if variant == "cuda_fp16.h" and "cuda_fp16" in str(exc):
+                pytest.skip(f"this NVRTC cannot use cuda_fp16.h (ringcomm.kernels falls back): {exc}")
+            raise
+    a, b = data(np.float16, 4096, rng), data(np.float16, 4096, rng)
+    acc = cp.asarray(a)
+    mods["reduce"].get_function("reduce_sum_f16")((16,), (256,), (acc, cp.asarray(b), np.int64(a.size)))
+    assert_same(acc, ref.reduce("sum", a.copy(), b), nan_payload=False)
+    x = data(np.float32, 4096, rng, spread=3e4)
+    out = cp.empty(x.size, np.float16)
+    mods["cast"].get_function("cast_f32_to_f16")((16,), (256,), (cp.asarray(x), out, np.float32(2.0), np.int64(x.size)))
+    with np.errstate(over="ignore"):
+        assert_same(out, ref.scale_cast(x, np.empty(x.size, np.float16), 2.0), nan_payload=False)
+
+
+# -- reduce.cu -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min", "avg"])
+@pytest.mark.parametrize("dtype", FLOATS + ("int32", "int64"))
+def test_reduce(dtype, op, n, rng):
+    a, b = data(dtype, n, rng), data(dtype, n, rng)
+    if np.dtype(dtype).kind == "f" and n >= 4:  # signed-zero ties, both ways
+        a[:2], b[:2] = np.array([-0.0, 0.0], dtype), np.array([0.0, -0.0], dtype)
+    acc = cp.asarray(a)
+    assert kernels.reduce(op, acc, cp.asarray(b)) is acc
+    with np.errstate(all="ignore"):
+        want = ref.reduce(op, a.copy(), b)
+    assert_same(acc, want, nan_payload=op in ("max", "min"))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_scale_divide_finalize(dtype, rng):
+    x = data(dtype, 100_003, rng)
+    with np.errstate(all="ignore"):
+        for fn, arg in ((kernels.scale, 0.1), (kernels.scale, 3.0), (kernels.divide, 3),
+                        (kernels.divide, 2049)):
+            d = cp.asarray(x)
+            fn(d, arg)
+            assert_same(d, getattr(ref, fn.__name__)(x.copy(), arg), nan_payload=False)
+        d = cp.asarray(x)
+        kernels.finalize("avg", d, 7)
+        assert_same(d, ref.finalize("avg", x.copy(), 7), nan_payload=False)
+
+
+def test_reduce_on_a_side_stream(rng):
+    a, b = data(np.float32, 10_000, rng), data(np.float32, 10_000, rng)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        acc, inc = cp.asarray(a), cp.asarray(b)
+        kernels.reduce("sum", acc, inc)
+    stream.synchronize()
+    assert_same(acc, ref.reduce("sum", a.copy(), b), nan_payload=False)
+
+
+# -- adam.cu ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 1000, 3 * 2 ** 20 + 7])
+@pytest.mark.parametrize("weight_decay,clip", [(0.0, 1.0), (0.01, 0.37)])
+@pytest.mark.parametrize("grad_dtype", ["float16", "float32"])
+def test_adam_steps(grad_dtype, weight_decay, clip, n, rng):
+    master0 = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    host = [master0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    dev = [cp.asarray(x) for x in host]
+    host_out, dev_out = master0.astype(np.float16), cp.asarray(master0.astype(np.float16))
+    scale = 2.0 ** 12 if grad_dtype == "float16" else 1.0
+    t = 0
+    for step in range(6):
+        g = (rng.standard_normal(n) * 1e-2 * scale).astype(grad_dtype)
+        if step == 2:
+            g[rng.integers(n)] = np.inf
+        args = (1e-3, 0.9, 0.999, 1e-8, weight_decay, t + 1, scale)
+        found = kernels.adam_step(dev[0], cp.asarray(g), dev[1], dev[2], *args,
+                                  param_out=dev_out, clip_coef=clip)
+        want = ref.adam_step(host[0], g, host[1], host[2], *args, param_out=host_out, clip_coef=clip)
+        assert found == want == (step == 2)
+        t += not found
+        for d, h in zip(dev + [dev_out], host + [host_out]):
+            assert_same(d, h)
+
+
+def test_adam_step_without_check_and_without_param_out(rng):
+    n = 50_000
+    master = (rng.standard_normal(n)).astype(np.float32)
+    host = [master.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    dev = [cp.asarray(x) for x in host]
+    g = (rng.standard_normal(n) * 3).astype(np.float32)
+    g[7] = np.nan
+    with np.errstate(invalid="ignore"):
+        for step in range(1, 4):
+            assert kernels.adam_step(dev[0], cp.asarray(g), dev[1], dev[2], 1e-2, 0.9, 0.999, 1e-8,
+                                     0.0, step, 1.0, skip_if_nonfinite=False) is False
+            ref.adam_step(host[0], g, host[1], host[2], 1e-2, 0.9, 0.999, 1e-8, 0.0, step, 1.0,
+                          skip_if_nonfinite=False)
+    for d, h in zip(dev, host):
+        assert_same(d, h, nan_payload=False)
+
+
+@pytest.mark.parametrize("grad_dtype", ["float16", "float32"])
+def test_grad_overflow(grad_dtype, rng):
+    g = data(grad_dtype, 200_000, rng, specials=False)
+    assert kernels.grad_overflow(cp.asarray(g), 8.0) is False
+    for poison in (np.inf, -np.inf, np.nan):
+        bad = g.copy()
+        bad[-1] = poison
+        assert kernels.grad_overflow(cp.asarray(bad), 8.0) is True is ref.grad_overflow(bad, 8.0)
+
+
+# -- cast.cu ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** 16, 0.37])
+def test_scale_cast(scale, rng):
+    x = data(np.float32, 300_001, rng, spread=3e4)
+    out = cp.empty(x.size, np.float16)
+    kernels.scale_cast(cp.asarray(x), out, scale)
+    with np.errstate(all="ignore"):
+        assert_same(out, ref.scale_cast(x, np.empty(x.size, np.float16), scale), nan_payload=False)
+        h = x.astype(np.float16)
+    back = cp.empty(h.size, np.float32)
+    kernels.scale_cast(cp.asarray(h), back, scale)
+    assert_same(back, ref.scale_cast(h, np.empty(h.size, np.float32), scale), nan_payload=False)
+
+
+@pytest.mark.parametrize("poison", [None, np.inf, np.nan])
+@pytest.mark.parametrize("src_dtype", ["float16", "float32"])
+def test_unscale_and_found_nonfinite(src_dtype, poison, rng):
+    g = data(src_dtype, 300_001, rng, specials=False)
+    if poison is not None:
+        g[rng.integers(g.size)] = poison
+    want = np.empty(g.size, np.float32)
+    want_flag = ref.unscale(g, want, 1024.0)
+    out = cp.empty(g.size, np.float32)
+    assert kernels.unscale(cp.asarray(g), out, 1024.0) is want_flag
+    assert_same(out, want, nan_payload=False)
+    if src_dtype == "float32":
+        inplace = cp.asarray(g)
+        assert kernels.unscale(inplace, inplace, 1024.0) is want_flag
+        assert_same(inplace, want, nan_payload=False)
+    for dtype in FLOATS:
+        x = g.astype(dtype)
+        assert kernels.found_nonfinite(cp.asarray(x)) is ref.found_nonfinite(x) is (poison is not None)
+
+
+# -- norm.cu ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 1000, 3 * 2 ** 20 + 7])
+@pytest.mark.parametrize("in_name,acc_name", ref.NORM_VARIANTS)
+def test_sq_norm_partial(in_name, acc_name, n, rng):
+    x = data(in_name, n, rng, specials=False, spread=30.0)
+    got = cp.asnumpy(kernels.sq_norm_partial(cp.asarray(x), 4.0, acc_dtype=acc_name))
+    want = ref.sq_norm_partial(x, 4.0, acc_dtype=acc_name)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    rtol = 1e-12 if acc_name == "float64" else 1e-4
+    np.testing.assert_allclose(got, want, rtol=rtol)
+    if acc_name == "float64":
+        assert kernels.sq_norm(cp.asarray(x), 4.0) == pytest.approx(ref.sq_norm(x, 4.0), rel=1e-12)
