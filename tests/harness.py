@@ -11,7 +11,6 @@ replaced, so one broken test cannot spill into the next.
 """
 import multiprocessing as mp
 import os
-import secrets
 import signal
 import socket
 import traceback

@@ -29,6 +29,7 @@ from .frame import Kind
 
 log = logging.getLogger(__name__)
 
+ZERO_COPY_BYTES = int(os.environ.get("RINGCOMM_ZERO_COPY_BYTES", zmq.COPY_THRESHOLD))
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -89,7 +90,7 @@ class ZmqTransport(Transport):
     def _post(self, dst, header, payload):
         sock = self._push[dst]
         try:
-            if memoryview(payload).nbytes >= zmq.COPY_THRESHOLD:
+            if memoryview(payload).nbytes >= ZERO_COPY_BYTES:
                 tracker = sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False, track=True)
                 self._in_flight.append(tracker)
                 return tracker

@@ -242,7 +242,7 @@ def test_registry_alloc_free_current_peak():
     reg = MemoryRegistry()
     a = reg.alloc("params", "a", (4, 4), np.float16)
     assert a.shape == (4, 4) and a.dtype == np.float16 and not a.any()
-    b = reg.alloc("grads", "b", 10, np.float32)
+    reg.alloc("grads", "b", 10, np.float32)
     h = reg.alloc("optimizer_host", "h", 100, np.float32)
     assert reg.current() == {"params": 32, "grads": 40, "optimizer": 0, "optimizer_host": 400}
     assert reg.peak_total() == 72  # host memory is not device model state

@@ -14,7 +14,7 @@ from ringcomm.algorithms.chunks import chunk_bounds, segment_table, segments
 from ringcomm.errors import CollectiveMismatch, CommTimeout, SignatureMismatch
 from ringcomm.link import Link, Stats
 from ringcomm.ops import parse_op
-from ringcomm.transport.frame import Key, Kind
+from ringcomm.transport.frame import Kind
 from ringcomm.transport.local import LocalHub
 
 pytestmark = pytest.mark.timeout(30)
