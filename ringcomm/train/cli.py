@@ -197,8 +197,8 @@ def resume(meta, strategy, cfg, out):
 def train_model_parallel_run(comm, cfg, out):
     """``--dp/--pp/--tp`` runs (see :mod:`.pipeline`); returns ``(document, None)``."""
     from .pipeline import train_model_parallel
-    if cfg.strategy not in ("ddp", "single") or cfg.offload:
-        raise ValueError("--pp/--tp compose with plain data parallelism (--strategy ddp) only")
+    if cfg.strategy not in ("ddp", "single", "zero1", "zero2") or cfg.offload:
+        raise ValueError("--pp/--tp compose with data parallelism as ddp, zero1 or zero2 (no offload)")
     if cfg.dp == 0:
         cfg.dp = comm.world_size // (cfg.pp * cfg.tp)
     tracer = Tracer(comm.rank, bool(cfg.trace))

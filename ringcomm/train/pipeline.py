@@ -14,7 +14,10 @@ Either way a stage is idle for (P−1) of the M+P−1 time slots: the **bubble**
 its neighbours, over the step.
 
 **Data parallelism** on top: after the pipeline, each rank's local gradients are summed over
-its dp group (ring all-reduce), and every rank steps Adam/SGD on its own layer pieces.
+its dp group (ring all-reduce), and every rank steps Adam/SGD on its own layer pieces; with
+``--strategy zero1``/``zero2`` the gradients are reduce-scattered instead, each dp rank
+keeps optimizer state for and updates only its 1/D shard of the stage's parameters, and the
+updated shards are all-gathered (ZeRO over the data dimension, on top of TP and PP).
 """
 import time
 
@@ -59,7 +62,12 @@ class Stage:
         full = init_params(layers, cfg.seed)
         self.params = [layer.shard(full[2 * i], full[2 * i + 1]) for layer, i in zip(self.layers, range(lo, hi))]
         size = sum(W.size + b.size for W, b in self.params)
-        self.optimizer = make_optimizer(cfg.optimizer, size, cfg.lr, cfg.weight_decay, None)
+        # ZeRO-1/2 over the data dimension: each dp rank keeps optimizer state for 1/D of
+        # this stage's (tp-local) parameters; the flat buffer is padded to a multiple of D
+        self.zero = cfg.strategy in ("zero1", "zero2") and mesh.dp > 1
+        self.padded = -(-size // mesh.dp) * mesh.dp if self.zero else size
+        self.shard = self.padded // mesh.dp if self.zero else size
+        self.optimizer = make_optimizer(cfg.optimizer, self.shard, cfg.lr, cfg.weight_decay, None)
         self.nlayers = nlayers
         self.idle = 0.0
         self.act_bytes = self.peak_act_bytes = 0
@@ -134,14 +142,25 @@ class Stage:
         self.peak_act_bytes = max(self.peak_act_bytes, self.act_bytes)
 
     def _sync_and_update(self, grads):
-        flat = np.concatenate([g.reshape(-1) for pair in grads for g in pair])
-        if self.mesh.dp > 1:
-            self.mesh.dp_group.all_reduce(flat, algorithm="ring")
+        """Sum gradients over the dp group and step. Plain DP: all-reduce, every rank steps
+        everything. ZeRO-1/2: reduce-scatter, each rank steps its shard, all-gather."""
         if self.cfg.clip_grad_norm:
             raise ValueError("--clip-grad-norm is not supported with --tp/--pp yet")
-        master = np.concatenate([p.reshape(-1) for pair in self.params for p in pair])
+        size = sum(g.size for pair in grads for g in pair)
+        flat = np.zeros(self.padded, np.float32)
+        flat[:size] = np.concatenate([g.reshape(-1) for pair in grads for g in pair])
+        master = np.zeros(self.padded, np.float32)
+        master[:size] = np.concatenate([p.reshape(-1) for pair in self.params for p in pair])
         self.optimizer.begin_step()
-        self.optimizer.update(master, flat)
+        if self.zero:
+            lo, hi = self.mesh.d * self.shard, (self.mesh.d + 1) * self.shard
+            self.mesh.dp_group.reduce_scatter(flat[lo:hi], flat, algorithm="ring")
+            self.optimizer.update(master[lo:hi], flat[lo:hi])
+            self.mesh.dp_group.all_gather(master, master[lo:hi], algorithm="ring")
+        else:
+            if self.mesh.dp > 1:
+                self.mesh.dp_group.all_reduce(flat, algorithm="ring")
+            self.optimizer.update(master, flat)
         offset = 0
         for W, b in self.params:
             for p in (W, b):

@@ -36,7 +36,7 @@ def single(pools):
     return reference(pools)
 
 
-LAYOUTS = [dict(dp=2, tp=2), dict(dp=2, pp=2, micro_batches=2), dict(pp=2, tp=2, micro_batches=3),
+LAYOUTS = [dict(dp=2, tp=2), dict(dp=2, tp=2, strategy="zero1"), dict(dp=2, pp=2, micro_batches=2, strategy="zero2"), dict(dp=2, pp=2, micro_batches=2), dict(pp=2, tp=2, micro_batches=3),
            dict(pp=4, micro_batches=4), dict(tp=4), dict(pp=2, micro_batches=4, schedule="gpipe"),
            dict(dp=1, pp=4, micro_batches=6, schedule="gpipe"), dict(tp=2, dp=2, optimizer="sgd", lr=0.05)]
 
