@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 4
 
-.PHONY: run test install install-test lint clean
+.PHONY: run test install install-test install-bench bench gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,14 +25,52 @@ $(VENV)/.installed-test: setup.cfg pyproject.toml | $(PY)
 	  echo "make: PyTorch 2.13.0 (CPU) is not available offline; PyTorch oracle tests will be skipped"
 	touch $@ $(VENV)/.installed
 
+# The bench extra (matplotlib, torch==2.13.0, mpi4py), piece by piece so that a missing peer
+# is skipped, not fatal: bench/peers.py then reports it missing. Open MPI comes from Debian
+# (apt-get as root, else sudo -n; skipped where neither works); torch only as the local CPU
+# wheel, as for the tests.
+$(VENV)/.installed-bench: setup.cfg pyproject.toml | $(VENV)/.installed
+	@if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "make: no apt-get: Open MPI not installed"; \
+	else SUDO=; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+	  ( $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q \
+	    openmpi-bin libopenmpi-dev ) || echo "make: Open MPI (apt) not installed; skipping it"; fi
+	$(PY) -m pip install --quiet "matplotlib>=3.7"
+	( $(PY) -m pip install --quiet --no-index --no-deps "torch==2.13.0" && \
+	  $(PY) -m pip install --quiet "torch==2.13.0" ) || \
+	  echo "make: PyTorch 2.13.0 (CPU) is not available offline; Gloo will be reported missing"
+	( command -v mpicc >/dev/null 2>&1 && $(PY) -m pip install --quiet "mpi4py>=3.1" ) || \
+	  echo "make: mpi4py not installed; Open MPI will be reported missing"
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+install-bench: $(VENV)/.installed-bench
 
 run: install
 	$(PY) -m ringcomm.launch --nproc $(NPROC)
 
 test: install-test
 	$(PY) -m pytest -q
+
+# A few minutes on 2 cores: every collective at N=4 (1 KiB..16 MiB), ring vs PS all-reduce at
+# 4 MiB for N=2 and 3 (time vs N), ringcomm vs Gloo vs Open MPI at N=2 and 4, then the plots.
+# Output: bench/out/ (tables, JSON, CSV, PNG). See bench/README.md for bench/cluster.py.
+BENCH_OUT ?= bench/out
+bench: install-bench
+	$(PY) -m ringcomm.launch --nproc 4 --no-prefix bench/collectives.py --sizes 1K:16M:x4 --out $(BENCH_OUT)
+	for n in 2 3; do $(PY) -m ringcomm.launch --nproc $$n --no-prefix bench/collectives.py --out $(BENCH_OUT) \
+	  --collectives all_reduce --algorithms ring,ps --sizes 4M --name scaling_n{n} || exit 1; done
+	$(PY) bench/peers.py --world-sizes 2,4 --sizes 4K,256K,4M,64M --out $(BENCH_OUT)
+	$(PY) bench/plots.py --out $(BENCH_OUT)
+
+# On a machine with a CUDA GPU and CuPy (no install: such machines may be offline). If a
+# folder .whl/ holds wheels (e.g. pyzmq for that machine's Python), they are installed first.
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps \
+	  --no-compile --target /tmp/ringcomm-site .whl/*.whl; fi
+	PYTHONPATH=/tmp/ringcomm-site:$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 \
+	  python3 bench/gpu_check.py --out $${OUT:-bench/out}
 
 lint: install-test
 	$(PY) -m pip install --quiet ruff

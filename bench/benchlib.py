@@ -64,6 +64,14 @@ def parse_sizes(spec):
     return sorted(sizes)
 
 
+def parse_rate(text):
+    """A tc rate ('1gbit', '500mbit', '100kbit', '1000000bit') -> bits per second."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)bit\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a tc rate in bits: {text!r} (try 1gbit, 500mbit)")
+    return float(match.group(1)) * 1000 ** " kmg".index(match.group(2).lower() or " ")
+
+
 def human(nbytes):
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale and nbytes % scale == 0:
@@ -110,7 +118,8 @@ def summarize(times_s):
 
 
 def machine():
-    """The machine a result was measured on: cores, CPU model, memory, kernel, Python."""
+    """The machine a result was measured on: cores, CPU model, memory, kernel, Python, and
+    the load average when it was asked (other work on the machine skews every number)."""
     model, mem_kib = "unknown", 0
     try:
         with open("/proc/cpuinfo") as f:
@@ -122,7 +131,22 @@ def machine():
         pass
     return {"nproc": os.cpu_count(), "cpu_model": model, "mem_gib": round(mem_kib / 2 ** 20, 1),
             "kernel": platform.release(), "python": platform.python_version(),
-            "numpy": np.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+            "numpy": np.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
+
+
+def ringcomm_source():
+    """Which ringcomm was measured: its version, directory and, in a git checkout, the commit."""
+    import subprocess
+
+    import ringcomm
+    where = os.path.dirname(os.path.dirname(os.path.abspath(ringcomm.__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", where, "describe", "--always", "--dirty"],
+                                check=False, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"version": ringcomm.__version__, "path": where, "git": commit or None}
 
 
 def write_json(path, data):
@@ -146,7 +170,7 @@ def fmt_bw(value):
 
 
 def fmt_time(us):
-    return f"{us:.1f}" if us < 1e6 else f"{us:.4g}"
+    return f"{us:.1f}" if us < 1e5 else f"{us:.0f}"
 
 
 def row_prefix(size, count, type_name, redop, root):

@@ -6,11 +6,13 @@ Run on every rank, under the launcher::
         [--sizes 1K:256M:x4] [--collectives all_reduce,reduce_scatter,all_gather,broadcast,reduce]
         [--dtypes float32] [--algorithms ring,ps,auto] [--op sum] [--root 0]
         [--iters 10] [--warmup 2] [--budget 5] [--traffic-size 4M] [--out bench/out]
+        [--name collectives_n{n}]
 
-For every collective, dtype, size and algorithm: ``--warmup`` untimed calls, then up to
-``--iters`` timed calls (fewer, but at least 3, when the warm-up says they would take more
-than ``--budget`` seconds; every rank agrees on the count). Every call is preceded by a
-barrier and its result is checked against the closed form (see benchlib).
+For every collective, dtype and size: ``--warmup`` untimed calls per algorithm, then up to
+``--iters`` timed calls per algorithm (fewer, but at least 3, when the warm-up says they
+would take more than ``--budget`` seconds; every rank agrees on the count), the algorithms
+taking turns call by call so that machine noise hits them alike. Every call is preceded by
+a barrier and its result is checked against the closed form (see benchlib).
 
 Columns (nccl-tests): size (B, the whole n-rank buffer), count (elements of the operation's
 parameter: one rank's part for reduce_scatter and all_gather), type, redop (``none`` where
@@ -26,7 +28,8 @@ bytes against the formulas, per rank:
   ps    rank 0 sends and receives (n-1)S, every other rank S;
   rd    log2(n) S each way on every rank.
 
-Rank 0 prints the tables and writes ``collectives_n{N}.json`` and ``.csv`` to ``--out``.
+Rank 0 prints the tables and writes ``--name`` + ``.json`` and ``.csv`` (default
+``collectives_n{N}``) to ``--out``; bench/plots.py reads every such JSON file there.
 """
 import argparse
 import math
@@ -58,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=5.0, help="seconds of timed calls per cell")
     p.add_argument("--traffic-size", default="4M", help="all_reduce size of the traffic table")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    p.add_argument("--name", default="collectives_n{n}", help="output file name, {n} = world size")
     a = p.parse_args(argv)
     a.sizes, a.traffic_size = bl.parse_sizes(a.sizes), bl.parse_size(a.traffic_size)
     a.collectives = [c for c in a.collectives.split(",") if c]
@@ -125,37 +129,45 @@ class Case:
         return bl.count_wrong(self.x if hasattr(self, "base") else self.out, self.want)
 
 
-def measure(comm, case, algorithm, args):
-    """Warm up, agree on an iteration count, time; per-call time = max over ranks."""
-    wrong, warm = 0, 0.0
+def timed_call(comm, case, algorithm):
+    """One checked call after a barrier: (seconds on this rank, wrong elements)."""
+    case.reset()
+    comm.barrier()
+    start = time.perf_counter()
+    case.call(algorithm)
+    elapsed = time.perf_counter() - start
+    return elapsed, case.wrong()
+
+
+def measure(comm, case, algorithms, args):
+    """Warm up, agree on an iteration count, then time the algorithms in turn, call by call
+    (ring, ps, auto, ring, ...), so that machine noise hits them alike. Per-call time = max
+    over ranks. Returns {algorithm: cell}."""
+    wrong, warm = dict.fromkeys(algorithms, 0), np.zeros(len(algorithms))
     for _ in range(args.warmup):
-        case.reset()
-        comm.barrier()
-        start = time.perf_counter()
-        case.call(algorithm)
-        warm = max(warm, time.perf_counter() - start)
-        wrong += case.wrong()
-    estimate = np.array([warm])
-    comm.all_reduce(estimate, op="max")
+        for k, algo in enumerate(algorithms):
+            elapsed, bad = timed_call(comm, case, algo)
+            warm[k], wrong[algo] = max(warm[k], elapsed), wrong[algo] + bad
+    comm.all_reduce(warm, op="max")
     iters = args.iters
-    if estimate[0] > 0:
-        iters = int(min(args.iters, max(MIN_ITERS, args.budget // estimate[0])))
-    times = np.empty(iters)
+    if warm.sum() > 0:
+        iters = int(min(args.iters, max(MIN_ITERS, args.budget // warm.sum())))
+    times = np.empty((len(algorithms), iters))
     for i in range(iters):
-        case.reset()
-        comm.barrier()
-        start = time.perf_counter()
-        case.call(algorithm)
-        times[i] = time.perf_counter() - start
-        wrong += case.wrong()
+        for k, algo in enumerate(algorithms):
+            times[k, i], bad = timed_call(comm, case, algo)
+            wrong[algo] += bad
     comm.all_reduce(times, op="max")
-    total = np.array([wrong], np.int64)
+    total = np.array([wrong[a] for a in algorithms], np.int64)
     comm.all_reduce(total, op="sum")
-    cell = bl.summarize(times)
-    cell["algbw"], cell["busbw"] = bl.metrics(case.collective, comm.world_size, case.size,
-                                              cell["time_us"] / 1e6)
-    cell.update(wrong=int(total[0]), iters=iters, warmup=args.warmup)
-    return cell
+    cells = {}
+    for k, algo in enumerate(algorithms):
+        cell = bl.summarize(times[k])
+        cell["algbw"], cell["busbw"] = bl.metrics(case.collective, comm.world_size, case.size,
+                                                  cell["time_us"] / 1e6)
+        cell.update(wrong=int(total[k]), iters=iters, warmup=args.warmup)
+        cells[algo] = cell
+    return cells
 
 
 def traffic(comm, algorithms, size):
@@ -242,11 +254,9 @@ def main(argv=None):
                 case = Case(comm, collective, dtype, size, args.op, args.root)
                 if case.count == 0:
                     continue
-                for algo in args.algorithms:
-                    if not applicable(collective, algo, n):
-                        continue
-                    cell = measure(comm, case, algo, args)
-                    has_op = collective in ("all_reduce", "reduce_scatter", "reduce")
+                algorithms = [a for a in args.algorithms if applicable(collective, a, n)]
+                has_op = collective in ("all_reduce", "reduce_scatter", "reduce")
+                for algo, cell in measure(comm, case, algorithms, args).items():
                     cell.update(collective=collective, algorithm=algo, world_size=n,
                                 size_bytes=case.size, count=case.count, type=dtype.name,
                                 redop=args.op if has_op else "none",
@@ -262,9 +272,9 @@ def main(argv=None):
     wrong = sum(row["wrong"] for row in rows) + sum(1 for row in moved if not row["ok"])
     if r == 0:
         print_traffic(n, moved)
-        base = os.path.join(args.out, f"collectives_n{n}")
-        bl.write_json(base + ".json", {"benchmark": "collectives", "library": "ringcomm",
-                                       "version": ringcomm.__version__, "world_size": n,
+        base = os.path.join(args.out, args.name.format(n=n))
+        bl.write_json(base + ".json", {"benchmark": "collectives", "ringcomm": bl.ringcomm_source(),
+                                       "world_size": n,
                                        "argv": sys.argv, "machine": bl.machine(), "rows": rows,
                                        "traffic": moved, "elapsed_s": time.perf_counter() - started})
         bl.write_csv(base + ".csv", rows, CSV_COLUMNS)

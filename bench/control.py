@@ -9,7 +9,7 @@ the same command, one JSON object per line:
     {"cmd": "run", "size": 4194304, "warmup": 1, "iters": 10, "algorithm": "ring"}
     {"cmd": "quit"}
 
-and each rank answers ``{"times": [seconds per timed call], "wrong": n}`` or
+and each rank answers ``{"times": [seconds per timed call], "wrong": n, "block_s": s}`` or
 ``{"error": "traceback"}``. A run times float32 SUM all-reduces: before each call the
 buffer is reset to rank r's input (benchlib.input_for), the library's own barrier runs,
 then the timed call; every result (warm-up included) is checked against the closed form.
@@ -56,7 +56,7 @@ def serve(address, library, rank, world_size, barrier, all_reduce, version=""):
                 base = bl.input_for(rank, count, np.float32)
                 buffers[count] = (base.copy(), base, bl.reduced(world_size, count, np.float32))
             x, base, want = buffers[count]
-            times, wrong = [], 0
+            times, wrong, block = [], 0, time.perf_counter()
             for i in range(cmd["warmup"] + cmd["iters"]):
                 np.copyto(x, base)
                 barrier()
@@ -66,7 +66,7 @@ def serve(address, library, rank, world_size, barrier, all_reduce, version=""):
                 if i >= cmd["warmup"]:
                     times.append(elapsed)
                 wrong += bl.count_wrong(x, want)
-            reply({"times": times, "wrong": wrong})
+            reply({"times": times, "wrong": wrong, "block_s": time.perf_counter() - block})
         except Exception:  # noqa: BLE001 - the driver reports it and stops this library
             reply({"error": traceback.format_exc()})
     stream.close()
@@ -83,10 +83,9 @@ class Job:
 
     def start(self, argv, env=None):
         """Start one process of this job in its own session, output to the log file."""
-        log = open(self.log_path, "ab")
-        self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, start_new_session=True))
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, start_new_session=True))
 
     def accept(self, listener, timeout=HELLO_TIMEOUT_S):
         """Wait until all n ranks said hello; None (and self.error) if the job died first."""
@@ -100,7 +99,7 @@ class Job:
                 return self.fail(f"exited with code {dead[0].returncode} before all ranks connected")
             try:
                 conn, _ = listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             conn.settimeout(timeout)
             stream = conn.makefile("rwb")
@@ -131,9 +130,9 @@ class Job:
         return replies
 
     def fail(self, message):
+        """Record why this job cannot go on and stop it; returns None (a failed answer)."""
         self.error = message + f" (log: {self.log_path})"
         self.stop()
-        return None
 
     def stop(self, grace=10.0):
         """Ask every rank to quit, then terminate whatever of this job is still running."""

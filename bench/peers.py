@@ -2,7 +2,7 @@
 
     python bench/peers.py [--world-sizes 2,4] [--sizes 4K,256K,4M,64M] [--rounds 3]
                           [--iters 10] [--warmup 1] [--algorithms ring,auto]
-                          [--peers gloo,openmpi] [--timeout 300] [--out bench/out]
+                          [--peers gloo,openmpi] [--timeout 300] [--out bench/out] [--verbose]
 
 The driver (this script, one process) starts, for each world size N, one job per library
 and keeps them all alive: ringcomm under ``python -m ringcomm.launch --nproc N``
@@ -61,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per call block")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
+    p.add_argument("--verbose", action="store_true", help="print every call block's times")
     a = p.parse_args(argv)
     a.world_sizes = [int(n) for n in a.world_sizes.split(",") if n]
     a.sizes = [s - s % 4 for s in bl.parse_sizes(a.sizes)]
@@ -133,7 +134,7 @@ def bench_world(n, args, logs):
             ok = job.accept(listener)
             status[library] = {"status": "ok" if ok else "failed", "version": job.version,
                                "reason": job.error}
-            print(f"# N={n}: {library} {job.version or ''} "
+            print(f"# N={n}: {library} {job.version + ' ' if job.version else ''}"
                   f"{'ready' if ok else 'FAILED: ' + str(job.error)} "
                   f"({time.perf_counter() - started:.1f} s)", flush=True)
         for k in range(args.rounds):
@@ -144,13 +145,18 @@ def bench_world(n, args, logs):
                                "iters": args.iters, "algorithm": arm[1]}
                     replies = jobs[arm[0]].run(command, args.timeout)
                     if replies is None:
+                        if status[arm[0]]["status"] != "failed":
+                            print(f"# N={n}: {arm[0]} FAILED: {jobs[arm[0]].error}", flush=True)
                         status[arm[0]].update(status="failed", reason=jobs[arm[0]].error)
-                        print(f"# N={n}: {arm[0]} FAILED: {jobs[arm[0]].error}", flush=True)
                         continue
                     per_call = np.max([r["times"] for r in replies], axis=0)  # slowest rank
                     times[arm][size] += per_call.tolist()
                     rounds[arm][size].append(float(np.median(per_call)) * 1e6)
                     wrong[arm][size] += sum(r["wrong"] for r in replies)
+                    if args.verbose:
+                        ms = np.round(per_call * 1e3).astype(int).tolist()
+                        print(f"#   {arm} {size}: block {max(r['block_s'] for r in replies):.2f} s, "
+                              f"per call {ms} ms", flush=True)
             print(f"# N={n}: round {k + 1} of {args.rounds} done", flush=True)
     finally:
         for job in jobs.values():
@@ -229,7 +235,7 @@ def evaluate_targets(rows, args):
     for t in results:
         sign = ">=" if t["metric"] == "busbw" else "<="
         got = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
-        met = {True: "yes", False: "NO", None: "n/a (peer missing)"}[t["met"]]
+        met = {True: "yes", False: "NO", None: "n/a (peer missing, failed or not run)"}[t["met"]]
         print(f" {t['world_size']:>2} {t['algorithm']:>9} {bl.human(t['size_bytes']):>8} {t['peer']:>8} "
               f"{t['metric']:>6} {got:>7} {sign}{t['bound']:>6}  {met}")
     return results
@@ -240,9 +246,11 @@ def main(argv=None):
     logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
     started = time.perf_counter()
-    rows, libraries = [], {}
+    rows, libraries, loads = [], {}, {}
     for n in args.world_sizes:
+        load = os.getloadavg()[0]
         arms, times, rounds, wrong, status = bench_world(n, args, logs)
+        loads[n] = [round(load, 2), round(os.getloadavg()[0], 2)]
         libraries[n] = status
         world_rows = table_rows(n, arms, times, rounds, wrong, status)
         print_world(n, world_rows, args)
@@ -250,9 +258,11 @@ def main(argv=None):
         sys.stdout.flush()
     targets = evaluate_targets(rows, args)
     path = os.path.join(args.out, "peers.json")
-    bl.write_json(path, {"benchmark": "peers", "argv": sys.argv, "machine": bl.machine(),
+    bl.write_json(path, {"benchmark": "peers", "ringcomm": bl.ringcomm_source(),
+                         "argv": sys.argv, "machine": bl.machine(),
                          "config": {k: v for k, v in vars(args).items() if k != "out"},
-                         "libraries": libraries, "rows": rows, "targets": targets,
+                         "libraries": libraries, "loadavg_1min_before_after": loads,
+                         "rows": rows, "targets": targets,
                          "elapsed_s": time.perf_counter() - started})
     bl.write_csv(os.path.join(args.out, "peers.csv"), rows, CSV_COLUMNS)
     bad = sum(r.get("wrong", 0) for r in rows)
