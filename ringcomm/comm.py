@@ -385,7 +385,7 @@ class Communicator:
                 self._stats.collectives += 1
                 return result
 
-            work = engine.submit(run, what)
+            work = engine.submit(run, what, inline=not async_op)
         return work if async_op else work.wait()
 
     def _mismatch(self, what, exc):

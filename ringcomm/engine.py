@@ -96,6 +96,19 @@ class Work:
 _IDLE = object()
 
 
+class _Resume:
+    """Hands a work item that started inline, then deferred, to the communication thread."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def _run(self, transport):
+        return False  # already started: only its progress remains
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
 class Engine:
     """Owns the transport and the thread that runs every operation on it.
 
@@ -106,6 +119,8 @@ class Engine:
     def __init__(self, make_transport, name="ringcomm"):
         self._queue = queue.SimpleQueue()
         self.lock = threading.Lock()  # orders sequence numbers with queue order
+        self._busy = threading.Lock()  # held by whichever thread is using the transport
+        self._deferred = 0  # deferred operations in progress on the communication thread
         self.transport = None
         self.closed = False
         ready = Work(lambda _: make_transport(), "start-up")
@@ -123,15 +138,18 @@ class Engine:
                 try:
                     work = self._queue.get_nowait()
                 except queue.Empty:
-                    self.transport.pump(0.001)
+                    with self._busy:
+                        self.transport.pump(0.001)
                     work = _IDLE
             else:
                 work = self._queue.get()
             if work is None:
                 break
-            if work is not _IDLE and not work._run(self.transport):
-                deferred.append(work)
-            deferred = [w for w in deferred if not w._advance()]
+            with self._busy:
+                if work is not _IDLE and not work._run(self.transport):
+                    deferred.append(work)
+                deferred = [w for w in deferred if not w._advance()]
+                self._deferred = len(deferred)
         for work in deferred:
             work._fail(CommError(f"{work.what}: communicator closed before it completed"))
         try:
@@ -139,9 +157,24 @@ class Engine:
         except Exception:  # noqa: BLE001 - nothing left to report to
             log.exception("error while closing the transport")
 
-    def submit(self, fn, what):
-        """Queue ``fn(transport)``; returns its :class:`Work`. Call with ``self.lock`` held."""
+    def submit(self, fn, what, inline=False):
+        """Queue ``fn(transport)``; returns its :class:`Work`. Call with ``self.lock`` held.
+
+        ``inline=True`` (a synchronous call): if the communication thread is idle — nothing
+        queued, nothing deferred — run ``fn`` right here in the caller's thread instead,
+        saving the two thread hand-offs that dominate small collectives. The transport is
+        then used by one thread at a time, under ``_busy`` (a full memory barrier, which is
+        what ZeroMQ asks for when a socket changes threads).
+        """
         work = Work(fn, what)
+        if inline and self._queue.empty() and not self._deferred and self._busy.acquire(blocking=False):
+            try:
+                if self._queue.empty() and not self._deferred:
+                    if not work._run(self.transport):
+                        self._queue.put(_Resume(work))  # deferred: the thread finishes it
+                    return work
+            finally:
+                self._busy.release()
         self._queue.put(work)
         return work
 

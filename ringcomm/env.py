@@ -8,7 +8,7 @@ Read from the environment that a launcher leaves, in this order:
 - none of them: a single process (rank 0 of 1).
 
 ``MASTER_ADDR`` (default 127.0.0.1) and ``MASTER_PORT`` name rank 0's rendezvous. Settings:
-``RINGCOMM_TIMEOUT`` (seconds, default 300), ``RINGCOMM_SEGMENT_BYTES`` (default 512 KiB),
+``RINGCOMM_TIMEOUT`` (seconds, default 300), ``RINGCOMM_SEGMENT_BYTES`` (default 1 MiB),
 ``RINGCOMM_SECRET`` (the job secret; ``ringcomm.launch`` generates one),
 ``RINGCOMM_TRANSPORT=tcp`` (TCP even between ranks of one host), ``RINGCOMM_ENCRYPT=1``
 (CURVE encryption of every peer connection; see :mod:`ringcomm.transport.security`).
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_TIMEOUT = 300.0
-DEFAULT_SEGMENT_BYTES = 512 * 1024
+DEFAULT_SEGMENT_BYTES = 1 << 20
 
 _SOURCES = (
     ("launcher", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),

@@ -129,6 +129,7 @@ DIE = textwrap.dedent("""
     x = np.ones(2_000_000, np.float32)
     comm.all_reduce(x)
     if comm.rank == 2:
+        time.sleep(0.5)  # let what it sent reach the others: it dies between collectives
         os.kill(os.getpid(), signal.SIGKILL)
     t = time.monotonic()
     try:

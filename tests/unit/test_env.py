@@ -21,7 +21,7 @@ def test_no_launcher_is_a_single_process():
     assert info.master_addr == "127.0.0.1"
     assert info.master_port == 0
     assert info.timeout == env.DEFAULT_TIMEOUT == 300.0
-    assert info.segment_bytes == env.DEFAULT_SEGMENT_BYTES == 512 * 1024
+    assert info.segment_bytes == env.DEFAULT_SEGMENT_BYTES == 1 << 20
     assert info.force_tcp is False
     env.validate(info)
 
