@@ -132,8 +132,8 @@ class CudaDevice(StagedDevice):
         return isinstance(x, self.cupy.ndarray)
 
     def _pinned(self, nbytes):
-        memory = self.cupy.cuda.alloc_pinned_memory(nbytes)
-        return np.frombuffer(memory, np.uint8, nbytes)
+        import cupyx
+        return cupyx.empty_pinned(nbytes, np.uint8)
 
     def _to_host(self, array, host):
         ready = self.cupy.cuda.get_current_stream().record()  # the producer's kernels

@@ -49,6 +49,12 @@ def device_total(categories):
     return sum(v for c, v in categories.items() if c != "optimizer_host")
 
 
+def _pinned_zeros(cupy, shape, dtype):
+    """A zeroed numpy array in page-locked host memory (for offloaded optimizer state)."""
+    import cupyx
+    return cupyx.zeros_pinned(shape, dtype)
+
+
 class MemoryRegistry:
     """Allocates and records every model-state buffer by category, with peaks.
 
@@ -71,9 +77,10 @@ class MemoryRegistry:
             raise ValueError(f"unknown memory category {category!r}")
         if name in self._live:
             raise ValueError(f"buffer {name!r} is already allocated")
-        if xp is None:  # host categories stay in host memory whatever the device
-            xp = np if category == "optimizer_host" else self.xp
-        array = xp.zeros(shape, dtype)
+        if xp is None and category == "optimizer_host" and self.xp is not np:
+            array = _pinned_zeros(self.xp, shape, dtype)  # host memory the GPU copies fast
+        else:
+            array = (xp or self.xp).zeros(shape, dtype)
         self._live[name] = (category, array.nbytes)
         self._current[category] += array.nbytes
         self._peak[category] = max(self._peak[category], self._current[category])
