@@ -40,8 +40,8 @@ from .trace import Tracer
 from .zero import Zero
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "zero3")
-MAIN_JOB = dict(strategy="zero2", precision="fp16", steps=400, batch_size=512, layers="64,512,512,512,10",
-                lr=2e-3, samples=32768)
+MAIN_JOB = dict(strategy="zero2", precision="fp16", steps=1000, batch_size=512, layers="64,512,512,512,10",
+                lr=2e-3, samples=65536)
 
 
 @dataclass
