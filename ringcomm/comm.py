@@ -8,8 +8,7 @@ communication thread (:mod:`ringcomm.engine`). ``async_op=True`` returns a
 
 Algorithms (``algorithm=``): ``"ring"`` (ring reduce-scatter + all-gather; a pipelined chain
 for broadcast and reduce), ``"ps"`` (parameter server: everything through a root, rank 0 for
-all-reduce, reduce-scatter and all-gather), ``"rd"`` (recursive doubling, all-reduce only,
-power-of-two groups), ``"auto"`` (few-hop schedules for small messages, the ring otherwise).
+all-reduce, reduce-scatter and all-gather), ``"rd"`` (recursive doubling, all-reduce only), ``"auto"`` (few-hop schedules for small messages, the ring otherwise).
 
 Every collective on every rank gets the same signature (collective, dtype, count, op, root,
 algorithm); a rank that sees a different one raises :class:`CollectiveMismatch` describing
@@ -63,9 +62,10 @@ def all_reduce_bytes(n, nbytes, algorithm="auto"):
     if n == 1:
         return 0.0
     if algorithm == "auto":
-        algorithm = "rd" if nbytes <= SMALL_MESSAGE_BYTES and rd.is_applicable(n) else "ring"
-    if algorithm == "rd":
-        return nbytes * (n.bit_length() - 1)
+        algorithm = "rd" if nbytes <= SMALL_MESSAGE_BYTES else "ring"
+    if algorithm == "rd":  # log2(p) exchanges, + the hand-back to an extra rank (p < n)
+        p = 1 << (n.bit_length() - 1)
+        return nbytes * ((p.bit_length() - 1) + (p < n))
     if algorithm == "ps":
         return (n - 1) * nbytes
     return 2 * (n - 1) / n * nbytes
@@ -324,13 +324,12 @@ class Communicator:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         n = self.world_size
-        if algorithm == "rd" and (collective != "all_reduce" or not rd.is_applicable(n)):
-            raise ValueError(f"algorithm 'rd' is for all_reduce on power-of-two groups, "
-                             f"not {collective} on {n} ranks")
+        if algorithm == "rd" and collective != "all_reduce":
+            raise ValueError(f"algorithm 'rd' (recursive doubling) is for all_reduce, not {collective}")
         if algorithm != "auto":
             return algorithm
         small = nbytes <= SMALL_MESSAGE_BYTES
-        if collective == "all_reduce" and small and n > 1 and rd.is_applicable(n):
+        if collective == "all_reduce" and small and n > 1:
             return "rd"
         if collective in ("broadcast", "reduce") and small:
             return "ps"

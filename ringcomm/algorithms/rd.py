@@ -1,7 +1,8 @@
 """Few-hop schedules for small messages: recursive doubling and the dissemination barrier.
 
-**Recursive doubling all-reduce** (n a power of two): in round k rank r exchanges its whole
-buffer with rank r XOR 2^k and reduces. log2(n) rounds instead of the ring's 2(n−1) steps,
+**Recursive doubling all-reduce**: in round k rank r exchanges its whole buffer with rank
+r XOR 2^k and reduces (ranks beyond the largest power of two fold in first and get the
+result back last). log2(n) rounds instead of the ring's 2(n−1) steps,
 at the price of S·log2(n) bytes per rank instead of 2(n−1)S/n — the right trade when hop
 latency, not bandwidth, dominates. Partners compute ``a op b`` and ``b op a``; sum, product,
 max and min are commutative in IEEE arithmetic, so all ranks still hold identical bits.
@@ -18,25 +19,48 @@ _EMPTY = np.empty(0, np.uint8)
 
 
 def is_applicable(n):
-    return n & (n - 1) == 0
+    """Recursive doubling works for any group size (see :func:`all_reduce`)."""
+    return n >= 1
+
+
+def _exchange(link, peer, rnd, x, segs, op):
+    snapshot = x.copy()  # x changes below while ZeroMQ may still be reading the send
+    for j, sl in enumerate(segs):
+        link.send(peer, rnd, j, snapshot[sl])
+    for j, sl in enumerate(segs):
+        reduce_into(op, x[sl], link.recv(peer, rnd, j, sl.stop - sl.start))
 
 
 def all_reduce(link, x, op):
-    """In place on flat ``x``; needs a power-of-two group size."""
+    """In place on flat ``x``, any group size.
+
+    With n = p + e, p the largest power of two ≤ n, the e extra ranks first fold their
+    buffer into rank r − p ("step" 0), the p core ranks run log2(p) rounds of recursive
+    doubling, and the core ranks hand the result back to their extra partner: 2 + log2(p)
+    hops. The core ranks reduce ``x_r op x_{r+p}`` and then commutative pairs, so every rank
+    holds the same bits.
+    """
     n, r = link.size, link.rank
-    if not is_applicable(n):
-        raise ValueError(f"recursive doubling needs a power-of-two group size, got {n}")
     segs = segments(x.size, x.itemsize, link.segment_bytes)
-    dist, rnd = 1, 0
-    while dist < n:
-        peer = r ^ dist
-        snapshot = x.copy()  # x changes below while ZeroMQ may still be reading the send
+    p = 1 << (n.bit_length() - 1)
+    last = p.bit_length()  # the hand-back's round number: after every recursive-doubling round
+    if r >= p:  # an extra rank: fold in, then wait for the result
         for j, sl in enumerate(segs):
-            link.send(peer, rnd, j, snapshot[sl])
+            link.send(r - p, 0, j, x[sl])
         for j, sl in enumerate(segs):
-            reduce_into(op, x[sl], link.recv(peer, rnd, j, sl.stop - sl.start))
+            x[sl] = link.recv(r - p, last, j, sl.stop - sl.start)
+        return
+    if r + p < n:
+        for j, sl in enumerate(segs):
+            reduce_into(op, x[sl], link.recv(r + p, 0, j, sl.stop - sl.start))
+    dist, rnd = 1, 1
+    while dist < p:
+        _exchange(link, r ^ dist, rnd, x, segs, op)
         dist, rnd = dist * 2, rnd + 1
     finalize(op, x, n)
+    if r + p < n:
+        for j, sl in enumerate(segs):
+            link.send(r + p, last, j, x[sl])
 
 
 def barrier(link):

@@ -30,7 +30,7 @@ def misuse(comm):
         "unknown op": lambda: comm.all_reduce(x, op="xor"),
         "avg on int": lambda: comm.all_reduce(np.ones(3, np.int32), op="avg"),
         "unknown algorithm": lambda: comm.all_reduce(x, algorithm="tree"),
-        "rd on 3 ranks": lambda: comm.all_reduce(x, algorithm="rd") if n == 3 else (_ for _ in ()).throw(ValueError()),
+        "rd for broadcast": lambda: comm.broadcast(x, algorithm="rd"),
         "send to self": lambda: comm.send(x, comm.rank),
         "bad tag": lambda: comm.send(x, (comm.rank + 1) % n, tag=-1),
         "overlap": lambda: comm.all_gather(shared, shared[1:9]),  # not the in-place slice

@@ -174,7 +174,7 @@ def test_ps_all_reduce(n, dtype, opname):
 
 
 @pytest.mark.parametrize("dtype, opname", DTYPE_OPS, ids=dtype_ops_ids(DTYPE_OPS))
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 8])
 def test_rd_all_reduce(n, dtype, opname):
     for count in lengths(n):
         check_all_reduce("rd", n, dtype, opname, count)
@@ -198,11 +198,28 @@ def test_ps_all_reduce_other_root(root):
 
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7])
-def test_rd_rejects_non_power_of_two(n):
-    run = run_ranks(n, lambda r, link: rd.all_reduce(link, np.zeros(4, np.float32),
-                                                     parse_op("sum", np.float32)))
-    assert all(isinstance(e, ValueError) and "power-of-two" in str(e) for e in run.errors)
-    assert run.hub.log == []
+def test_rd_folds_extra_ranks(n):
+    """Beyond the largest power of two p, rank r ≥ p folds into r − p (step 0), the p core
+    ranks double (steps 1..log2 p), then hand the result back (step log2 p + 1)."""
+    p = 1 << (n.bit_length() - 1)
+    rounds = p.bit_length() - 1
+    op = parse_op("sum", np.float32)
+    def body(r, link):
+        x = np.full(7, r + 1.0, np.float32)
+        rd.all_reduce(link, x, op)
+        return x
+
+    run = run_ok(n, body)
+    for r in range(n):
+        assert np.all(run.results[r] == n * (n + 1) / 2)
+        assert run.results[r].tobytes() == run.results[0].tobytes()
+        sent = run.data(src=r)
+        if r >= p:
+            assert [(d, k.step) for _, d, k, _ in sent] == [(r - p, 0)]
+        else:
+            steps = sorted((k.step, d) for _, d, k, _ in sent)
+            want = [(i + 1, r ^ (1 << i)) for i in range(rounds)] + ([(rounds + 1, r + p)] if r + p < n else [])
+            assert steps == sorted(want)
 
 
 # -- correctness: reduce-scatter, all-gather, broadcast, reduce ----------------------------------------
@@ -450,10 +467,10 @@ def test_rd_all_reduce_structure(n, count):
     for r in range(n):
         sent = run.data(src=r)
         assert len(sent) == rounds * nseg
-        assert {k.step for _, _, k, _ in sent} == set(range(rounds))
+        assert {k.step for _, _, k, _ in sent} == set(range(1, rounds + 1))
         for _, dst, key, _ in sent:
-            assert dst == r ^ (1 << key.step)
-        assert bytes_by(sent, "step") == {k: S for k in range(rounds)}
+            assert dst == r ^ (1 << (key.step - 1))
+        assert bytes_by(sent, "step") == {k: S for k in range(1, rounds + 1)}
     check_stats(run)
 
 
@@ -461,7 +478,7 @@ def test_rd_all_reduce_structure(n, count):
 
 @pytest.mark.parametrize("opname", ["sum", "avg", "prod"])
 @pytest.mark.parametrize("algorithm, n", [("ring", 3), ("ring", 5), ("ps", 3), ("ps", 5),
-                                          ("rd", 4), ("rd", 8)])
+                                          ("rd", 4), ("rd", 8), ("rd", 3), ("rd", 6)])
 def test_all_reduce_bitwise_identical_across_ranks(algorithm, n, opname):
     rng = np.random.default_rng(42 + n)
     xs = (rng.uniform(0.9, 1.1, (n, 1001)) if opname == "prod"
