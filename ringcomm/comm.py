@@ -362,13 +362,17 @@ class Communicator:
                             device)
                 failed = True
                 try:
+                    transport.pump(0)  # news first: goodbyes, aborts, lost peers
                     if space == 0:  # an earlier collective may have failed elsewhere
-                        transport.pump(0)
                         transport.mailbox.raise_poison(self.comm_id)
+                    device.activate()
                     deferred = body(link)
                     if deferred is not None:
                         return deferred  # a receive: it completes itself, sends nothing
                     transport.flush(link.deadline, what)
+                    if space == 0:  # another rank may have aborted a collective we only sent in
+                        transport.pump(0)
+                        transport.mailbox.raise_abort(self.comm_id, seq)
                     failed = False
                 except SignatureMismatch as exc:
                     error = self._mismatch(what, exc)
@@ -385,6 +389,8 @@ class Communicator:
                 return result
 
             work = engine.submit(run, what, inline=not async_op)
+        if work.inline:  # outside engine.lock: other threads may queue behind it meanwhile
+            engine.run_inline(work)
         return work if async_op else work.wait()
 
     def _mismatch(self, what, exc):

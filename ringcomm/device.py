@@ -17,8 +17,9 @@ is the code the CPU tests exercise:
 - :class:`EmulatedDevice` (``emulated``, for tests): numpy arrays treated as device memory,
   with the same slots, staging calls and slot recycling as the GPU.
 
-A slot is reused only when the transport says ZeroMQ has finished reading it (the send's
-tracker is done), so nothing is overwritten while in flight.
+A slot is copied into ZeroMQ's own buffer when sent, so it is free again at once and no slot
+waits on a send a dead peer will never complete; ``sent(slot, tracker)`` still honours a
+tracker for callers that send slots zero-copy.
 
 >>> dev = select("emulated", local_rank=0)
 >>> host, slot = dev.stage_out(np.arange(4.0))    # a pinned-slot copy, ready for the wire
@@ -52,6 +53,9 @@ class HostDevice:
 
     def synchronize(self):
         pass
+
+    def activate(self):
+        """Make this the current device of the calling thread (before each collective)."""
 
 
 class StagedDevice(HostDevice):
@@ -148,6 +152,9 @@ class CudaDevice(StagedDevice):
 
     def synchronize(self):
         self.cupy.cuda.get_current_stream().synchronize()
+
+    def activate(self):
+        self.cupy.cuda.Device(self.index).use()  # the communication thread too
 
 
 def gpu_available():

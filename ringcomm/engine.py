@@ -39,6 +39,7 @@ class Work:
         self._done = threading.Event()
         self._result = self._error = None
         self.started = self.finished = None  # time.perf_counter() on the communication thread
+        self.inline = False  # run by the submitting thread (see Engine.submit)
 
     def _run(self, transport):
         """Run the work function; False if it deferred its completion."""
@@ -120,6 +121,7 @@ class Engine:
         self._queue = queue.SimpleQueue()
         self.lock = threading.Lock()  # orders sequence numbers with queue order
         self._busy = threading.Lock()  # held by whichever thread is using the transport
+        self._pending = 0   # queued or running on the communication thread (under lock)
         self._deferred = 0  # deferred operations in progress on the communication thread
         self.transport = None
         self.closed = False
@@ -133,23 +135,42 @@ class Engine:
         if ready.exception() is not None:
             return
         deferred = []
-        while True:
-            if deferred:
+        try:
+            while True:
+                if deferred:
+                    try:
+                        work = self._queue.get_nowait()
+                    except queue.Empty:
+                        with self._busy:
+                            self.transport.pump(0.001)
+                        work = _IDLE
+                else:
+                    work = self._queue.get()
+                if work is None:
+                    break
+                with self._busy:
+                    if work is not _IDLE and not work._run(self.transport):
+                        deferred.append(work)
+                    deferred = [w for w in deferred if not w._advance()]
+                    self._deferred = len(deferred)
+                if work is not _IDLE:
+                    with self.lock:
+                        self._pending -= 1
+        except BaseException as exc:  # noqa: BLE001 - never leave waiters hanging
+            log.exception("the communication thread failed")
+            with self.lock:
+                self.closed = True
+            failure = CommError(f"the communication thread failed: {exc!r}")
+            while True:
                 try:
                     work = self._queue.get_nowait()
                 except queue.Empty:
-                    with self._busy:
-                        self.transport.pump(0.001)
-                    work = _IDLE
-            else:
-                work = self._queue.get()
-            if work is None:
-                break
-            with self._busy:
-                if work is not _IDLE and not work._run(self.transport):
-                    deferred.append(work)
-                deferred = [w for w in deferred if not w._advance()]
-                self._deferred = len(deferred)
+                    break
+                if work is not None:
+                    work._fail(failure)
+            for work in deferred:
+                work._fail(failure)
+            deferred = []
         for work in deferred:
             work._fail(CommError(f"{work.what}: communicator closed before it completed"))
         try:
@@ -160,22 +181,31 @@ class Engine:
     def submit(self, fn, what, inline=False):
         """Queue ``fn(transport)``; returns its :class:`Work`. Call with ``self.lock`` held.
 
-        ``inline=True`` (a synchronous call): if the communication thread is idle — nothing
-        queued, nothing deferred — run ``fn`` right here in the caller's thread instead,
-        saving the two thread hand-offs that dominate small collectives. The transport is
-        then used by one thread at a time, under ``_busy`` (a full memory barrier, which is
-        what ZeroMQ asks for when a socket changes threads).
+        ``inline=True`` (a synchronous call): if the communication thread has nothing queued,
+        running or deferred, the work is *not* queued; ``work.inline`` is set, this thread
+        now holds the transport (``_busy``), and the caller must call :meth:`run_inline`
+        after releasing ``self.lock``. That saves the two thread hand-offs that dominate
+        small collectives, keeps submission order (anything submitted meanwhile queues
+        behind ``_busy``), and uses the sockets from one thread at a time under a lock (a
+        full memory barrier, which is what ZeroMQ asks for when a socket changes threads).
         """
         work = Work(fn, what)
-        if inline and self._queue.empty() and not self._deferred and self._busy.acquire(blocking=False):
-            try:
-                if self._queue.empty() and not self._deferred:
-                    if not work._run(self.transport):
-                        self._queue.put(_Resume(work))  # deferred: the thread finishes it
-                    return work
-            finally:
-                self._busy.release()
+        if inline and self._pending == 0 and not self._deferred and self._busy.acquire(blocking=False):
+            work.inline = True
+            return work
+        self._pending += 1
         self._queue.put(work)
+        return work
+
+    def run_inline(self, work):
+        """Run a work item that :meth:`submit` kept for this thread; releases ``_busy``."""
+        try:
+            if not work._run(self.transport):  # a receive still waiting: the thread finishes it
+                with self.lock:
+                    self._pending += 1
+                    self._queue.put(_Resume(work))
+        finally:
+            self._busy.release()
         return work
 
     def close(self, timeout=60.0):

@@ -51,8 +51,12 @@ class Link:
         zero-copy: do not modify them before the collective ends."""
         key = Key(self.comm_id, self.space, self.seq, step, segment)
         host, slot = self.device.stage_out(array)
-        tracker = self.transport.send(self.ranks[peer], key, self.sig, host.view(np.uint8))
-        self.device.sent(slot, tracker)
+        # a staged slot is copied into ZeroMQ, so it is free again at once: no slot ever
+        # waits on a send that a dead peer will never complete
+        try:
+            self.transport.send(self.ranks[peer], key, self.sig, host.view(np.uint8), copy=slot is not None)
+        finally:
+            self.device.sent(slot, None)
         self.stats.bytes_sent += array.nbytes
         self.stats.messages_sent += 1
 

@@ -4,15 +4,16 @@
 r XOR 2^k and reduces (ranks beyond the largest power of two fold in first and get the
 result back last). log2(n) rounds instead of the ring's 2(n−1) steps,
 at the price of S·log2(n) bytes per rank instead of 2(n−1)S/n — the right trade when hop
-latency, not bandwidth, dominates. Partners compute ``a op b`` and ``b op a``; sum, product,
-max and min are commutative in IEEE arithmetic, so all ranks still hold identical bits.
+latency, not bandwidth, dominates. Both partners compute ``x_lower op x_higher`` (the lower
+rank's values first), so all ranks hold identical bits even where IEEE max/min of ±0 or NaN
+payloads are not commutative.
 
 **Dissemination barrier**: in round k rank r signals r+2^k and waits for r−2^k; after
 ceil(log2 n) rounds every rank has heard, directly or not, from every other.
 """
 import numpy as np
 
-from ..ops import finalize, reduce_into
+from ..ops import finalize, reduce_into, reduced
 from .chunks import segments
 
 _EMPTY = np.empty(0, np.uint8)
@@ -28,7 +29,11 @@ def _exchange(link, peer, rnd, x, segs, op):
     for j, sl in enumerate(segs):
         link.send(peer, rnd, j, snapshot[sl])
     for j, sl in enumerate(segs):
-        reduce_into(op, x[sl], link.recv(peer, rnd, j, sl.stop - sl.start))
+        incoming = link.recv(peer, rnd, j, sl.stop - sl.start)
+        if peer > link.rank:
+            reduce_into(op, x[sl], incoming)
+        else:  # the lower rank's values first on both sides: identical bits even for ±0, NaN
+            x[sl] = reduced(op, incoming, x[sl])
 
 
 def all_reduce(link, x, op):

@@ -22,10 +22,11 @@ class Transport(ABC):
 
     # -- what subclasses provide -------------------------------------------------------
     @abstractmethod
-    def _post(self, dst, header, payload):
+    def _post(self, dst, header, payload, copy=False):
         """Queue one message for ``dst``; must not block. ``payload`` stays untouched by
         the caller until :meth:`flush` returns. Returns a tracker (``.done``, ``.wait()``)
-        when ZeroMQ reads ``payload`` in place, ``None`` when it was copied."""
+        when ZeroMQ reads ``payload`` in place, ``None`` when it was copied (always with
+        ``copy=True``)."""
 
     @abstractmethod
     def _pump(self, timeout):
@@ -41,11 +42,11 @@ class Transport(ABC):
         """Tell peers this rank is done and release every resource."""
 
     # -- the shared part ---------------------------------------------------------------
-    def send(self, dst, key, sig, payload):
+    def send(self, dst, key, sig, payload, copy=False):
         """Send ``payload`` (a contiguous array or bytes) to global rank ``dst``; returns
-        the tracker of a zero-copy send, else ``None``."""
+        the tracker of a zero-copy send, else ``None``. ``copy=True``: never zero-copy."""
         nbytes = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
-        return self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload)
+        return self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload, copy)
 
     def pump(self, timeout):
         """Let arrived messages in (used by the engine while deferred work waits)."""

@@ -30,7 +30,7 @@ class LocalTransport(Transport):
         super().__init__(rank, hub.world_size)
         self.hub = hub
 
-    def _post(self, dst, header, payload):
+    def _post(self, dst, header, payload, copy=False):
         data = bytes(memoryview(payload).cast("B")) if not isinstance(payload, bytes) else payload
         hdr = frame.HEADER.unpack(header)
         with self.hub._lock:

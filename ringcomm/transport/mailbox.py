@@ -88,6 +88,12 @@ class Mailbox:
         if comm_id in self._poison:
             raise self._poison.pop(comm_id)
 
+    def raise_abort(self, comm_id, seq):
+        """Raise the abort another rank sent for collective ``seq``, if one has arrived."""
+        abort = self._aborts.get((comm_id, seq))
+        if abort is not None:
+            raise abort
+
     def take(self, src, key, sig):
         """The payload of message ``key`` from ``src``, or ``None`` if it has not arrived.
 

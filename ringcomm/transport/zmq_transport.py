@@ -92,10 +92,12 @@ class ZmqTransport(Transport):
             self._pump(0.05)
 
     # -- sending -------------------------------------------------------------------------
-    def _post(self, dst, header, payload):
+    def _post(self, dst, header, payload, copy=False):
+        if dst in self._said_bye:
+            raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its communicator", rank=dst)
         sock = self._push[dst]
         try:
-            if memoryview(payload).nbytes >= ZERO_COPY_BYTES:
+            if not copy and memoryview(payload).nbytes >= ZERO_COPY_BYTES:
                 tracker = sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False, track=True)
                 self._in_flight.append(tracker)
                 return tracker
