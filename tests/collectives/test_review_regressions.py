@@ -51,7 +51,7 @@ LATE_ROOT = textwrap.dedent("""
         print("returned normally")
     except ringcomm.CommError as exc:
         print("raised", type(exc).__name__)
-    time.sleep(1.0)  # rank 1 stays until rank 0 has tried
+    time.sleep(3.0)  # rank 1 stays until rank 0 has tried
 """)
 
 
