@@ -62,7 +62,8 @@ _HERE = Path(__file__).resolve().parent
 
 
 def _has_sources(d):
-    return all((d / f"{name}.cu").is_file() for name in SOURCES) and (d / "reference.py").is_file()
+    return (all((d / f"{name}.cu").is_file() for name in SOURCES) and (d / "common.cuh").is_file()
+            and (d / "reference.py").is_file())
 
 
 def kernel_dir():
@@ -170,9 +171,12 @@ NO_CUDA_FP16 = "-DRINGCOMM_NO_CUDA_FP16"
 
 
 def module_source(name):
-    """The code ``cupy.RawModule`` compiles: ``kernels/<name>.cu``, which is self-contained
-    (each file carries the same prelude: fp16 type, finiteness tests, grid-stride loop)."""
-    return source_path(name).read_text()
+    """The code ``cupy.RawModule`` compiles: ``kernels/<name>.cu`` with its
+    ``#include "common.cuh"`` (fp16 type, finiteness tests, grid-stride loop) written out in
+    place, so NVRTC needs no include path."""
+    code = source_path(name).read_text()
+    common = (source_path(name).parent / "common.cuh").read_text().replace("#pragma once\n", "")
+    return code.replace('#include "common.cuh"', common)
 
 
 def compile_with_fallback(compile, code):
