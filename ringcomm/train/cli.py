@@ -194,6 +194,17 @@ def resume(meta, strategy, cfg, out):
     return resumed.step, resumed.losses
 
 
+def write_outputs(cfg, rank, document, params, tracer):
+    """``--metrics-json`` and ``--save`` (rank 0), ``--trace`` (every rank)."""
+    if rank == 0:
+        if cfg.metrics_json:
+            report.write_json(cfg.metrics_json, document)
+        if cfg.save:
+            np.savez(cfg.save, **{name: p for (name, _), p in zip(param_specs(cfg.layers), params)})
+    if cfg.trace:
+        tracer.write(cfg.trace)
+
+
 def train_model_parallel_run(comm, cfg, out):
     """``--dp/--pp/--tp`` runs (see :mod:`.pipeline`); returns ``(document, None)``."""
     from .pipeline import train_model_parallel
@@ -203,13 +214,7 @@ def train_model_parallel_run(comm, cfg, out):
         cfg.dp = comm.world_size // (cfg.pp * cfg.tp)
     tracer = Tracer(comm.rank, bool(cfg.trace))
     document, params = train_model_parallel(comm, cfg, load_data(cfg), datasets.BatchOrder, out, tracer)
-    if comm.rank == 0:
-        if cfg.metrics_json:
-            report.write_json(cfg.metrics_json, document)
-        if cfg.save:
-            np.savez(cfg.save, **{name: p for (name, _), p in zip(param_specs(cfg.layers), params)})
-    if cfg.trace:
-        tracer.write(cfg.trace)
+    write_outputs(cfg, comm.rank, document, params, tracer)
     return document, None
 
 
@@ -278,12 +283,7 @@ def train(comm, cfg, out=print):
         out(f"final loss {document['final_loss']}, accuracy {accuracy:.3f} on {len(dataset.y_test)} "
             f"held-out samples (chance {1 / cfg.layers[-1]:.3f}); median step {step_time * 1e3:.1f} ms")
         out(report.table(strategy, per_rank))
-        if cfg.metrics_json:
-            report.write_json(cfg.metrics_json, document)
-        if cfg.save:
-            np.savez(cfg.save, **{name: p for (name, _), p in zip(param_specs(cfg.layers), params)})
-    if cfg.trace:
-        tracer.write(cfg.trace)
+    write_outputs(cfg, rank, document, params, tracer)
     return document, strategy  # meta stays open: strategy.full_params() may still use it
 
 

@@ -179,14 +179,19 @@ class Replicated(Strategy):
         self.params = lay.views(self.flat_params)
         self.flat_grads = self.reg.alloc("grads", "grads", lay.total, self.dtype)
         self.grads = lay.views(self.flat_grads)
-        if self.mixed:
+        owner = self.steps_optimizer()
+        if owner and self.mixed:
             self.master = self.reg.alloc(self.optimizer_category, "master", lay.total, np.float32)
             copy_into(self.master, lay.pack(params, np.float32))
         else:
             self.master = self.flat_params
-        self.make_optimizer(lay.total)
+        self.make_optimizer(lay.total if owner else 0)
         self._pending = []
         self._remaining = {}
+
+    def steps_optimizer(self):
+        """Whether this rank keeps optimizer state and steps it (every rank, here)."""
+        return True
 
     def layer_params(self, i, phase):
         return self.params[2 * i], self.params[2 * i + 1]
@@ -255,21 +260,8 @@ class ParameterServer(Replicated):
     name = "dp"
     checkpoint_kind = "server"
 
-    def setup(self, params):
-        lay = self.layout
-        self.flat_params = self.reg.alloc("params", "params", lay.total, self.dtype)
-        copy_into(self.flat_params, lay.pack(params, self.dtype))
-        self.params = lay.views(self.flat_params)
-        self.flat_grads = self.reg.alloc("grads", "grads", lay.total, self.dtype)
-        self.grads = lay.views(self.flat_grads)
-        owner = self.rank == 0
-        if owner and self.mixed:
-            self.master = self.reg.alloc(self.optimizer_category, "master", lay.total, np.float32)
-            copy_into(self.master, lay.pack(params, np.float32))
-        else:
-            self.master = self.flat_params
-        self.make_optimizer(lay.total if owner else 0)
-        self._remaining = {}
+    def steps_optimizer(self):
+        return self.rank == 0
 
     def grad_ready(self, p, grad):
         self.grads[p][...] = grad
