@@ -7,12 +7,7 @@ import glob
 import json
 import os
 
-
-def human(n):
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
+from benchlib import human
 
 
 def t(us):

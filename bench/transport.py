@@ -18,11 +18,7 @@ import time
 import numpy as np
 import zmq
 
-
-def parse_size(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("IB").rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+from benchlib import parse_size
 
 
 def zmq_rate(segment, total, repeats):

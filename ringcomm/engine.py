@@ -40,9 +40,13 @@ class Work:
         self._result = self._error = None
         self.started = self.finished = None  # time.perf_counter() on the communication thread
         self.inline = False  # run by the submitting thread (see Engine.submit)
+        self._deferred = None  # set when the work waits for messages (see Deferred)
 
     def _run(self, transport):
-        """Run the work function; False if it deferred its completion."""
+        """Run the work function; False if it deferred its completion (also when it was
+        started inline and handed to the communication thread to finish)."""
+        if self._deferred is not None:
+            return False
         self.started = time.perf_counter()
         try:
             outcome = self._fn(transport)
@@ -95,19 +99,6 @@ class Work:
 
 
 _IDLE = object()
-
-
-class _Resume:
-    """Hands a work item that started inline, then deferred, to the communication thread."""
-
-    def __init__(self, work):
-        self.work = work
-
-    def _run(self, transport):
-        return False  # already started: only its progress remains
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
 
 
 class Engine:
@@ -203,7 +194,7 @@ class Engine:
             if not work._run(self.transport):  # a receive still waiting: the thread finishes it
                 with self.lock:
                     self._pending += 1
-                    self._queue.put(_Resume(work))
+                    self._queue.put(work)  # _run sees it began: only _advance remains
         finally:
             self._busy.release()
         return work
