@@ -43,6 +43,8 @@ class JobInfo:
     secret: str = ""
     force_tcp: bool = False
     encrypt: bool = False
+    shared_memory: bool = True  # same-host segments through /dev/shm lanes
+    shm_slots: int = 8          # slots per lane (each one segment)
 
 
 def _int(environ, name, default=None):
@@ -83,6 +85,8 @@ def from_environ(environ=None):
         f"ringcomm:{info.master_addr}:{info.master_port}".encode()).hexdigest()[:32]
     info.force_tcp = environ.get("RINGCOMM_TRANSPORT", "").lower() == "tcp"
     info.encrypt = environ.get("RINGCOMM_ENCRYPT", "").lower() in ("1", "true", "yes", "on")
+    info.shared_memory = environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
+    info.shm_slots = _int(environ, "RINGCOMM_SHM_SLOTS", 8)
     return info
 
 
@@ -102,5 +106,7 @@ def validate(info):
         raise ValueError(f"MASTER_PORT {info.master_port} is not a TCP port")
     if not info.timeout > 0:  # also rejects NaN
         raise ValueError(f"timeout must be positive, got {info.timeout}")
+    if info.shm_slots < 1:
+        raise ValueError(f"RINGCOMM_SHM_SLOTS must be at least 1, got {info.shm_slots}")
     if info.segment_bytes < 1024:
         raise ValueError(f"segment size must be at least 1024 bytes, got {info.segment_bytes}")

@@ -21,12 +21,14 @@ def connect(info):
     try:
         guard = Guard(context, info.secret, info.encrypt)
         pull, entry = rendezvous.bind_pull(context, info.master_addr, info.segment_bytes + 8192, guard)
-        settings = {"segment_bytes": info.segment_bytes}
+        settings = {"segment_bytes": info.segment_bytes,
+                    "shm_slots": info.shm_slots if info.shared_memory else 0}
         table = rendezvous.exchange(context, info.rank, info.world_size, info.master_addr,
                                     info.master_port, entry, settings, info.secret, info.timeout)
         endpoints = rendezvous.endpoints_for(entry, table, info.force_tcp)
         transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints, guard=guard,
-                                 cleanup=[entry["ipc"][len("ipc://"):]])
+                                 cleanup=[entry["ipc"][len("ipc://"):]],
+                                 lanes=(info.shm_slots, info.segment_bytes) if info.shared_memory else None)
         transport.local_endpoints = {"ipc": entry["ipc"], "tcp": entry["tcp"]}
         try:
             transport.await_connections(time.monotonic() + info.timeout)

@@ -9,14 +9,16 @@ Header fields (little-endian):
 ====== ======= ===========================================================
 magic  4 bytes ``RCM1``; anything else is a foreign frame
 version u8     1
-kind   u8      DATA, BYE (the sender closed its communicator), ABORT
+kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the payload
+               is a notice naming a shared-memory slot that holds the data)
 space  u8      0 = collective, 1 = point-to-point
 src    u32     the sender's global rank
 comm   u32     communicator id (0 = world; groups get a hash)
 seq    u64     sequence number of the collective within its communicator
 step   u32     ring step (collectives) or tag (point-to-point)
 segment u32    segment index within the step
-nbytes u64     payload length; must equal the payload frame's length
+nbytes u64     payload length; equals the payload frame's length (SHM: the data's length
+               in the slot, the frame holding a ``SHM_NOTICE_BYTES`` notice)
 sig    16 B    the collective's signature (see ``ringcomm.signature``)
 ====== ======= ===========================================================
 
@@ -33,12 +35,14 @@ MAGIC = b"RCM1"
 VERSION = 1
 HEADER = struct.Struct("<4sBBBxIIQIIQ16s")
 MAX_ABORT_BYTES = 4096  # an abort's payload is a UTF-8 reason, never larger than this
+SHM_NOTICE_BYTES = 64   # see ringcomm.transport.shm.NOTICE
 
 
 class Kind(IntEnum):
     DATA = 1
     BYE = 2
     ABORT = 3
+    SHM = 4
 
 
 class Key(NamedTuple):
@@ -83,7 +87,10 @@ def unpack(header, payload_len, world_size, self_rank):
         raise FrameError(f"unknown space {space}")
     if not 0 <= src < world_size or src == self_rank:
         raise FrameError(f"frame claims to come from rank {src} (world size {world_size})")
-    if nbytes != payload_len:
+    if kind == Kind.SHM:
+        if payload_len != SHM_NOTICE_BYTES:
+            raise FrameError(f"shared-memory notice of {payload_len} bytes, expected {SHM_NOTICE_BYTES}")
+    elif nbytes != payload_len:
         raise FrameError(f"header says {nbytes} payload bytes, frame has {payload_len}")
     if kind == Kind.ABORT and nbytes > MAX_ABORT_BYTES:
         raise FrameError(f"abort reason of {nbytes} bytes exceeds {MAX_ABORT_BYTES}")

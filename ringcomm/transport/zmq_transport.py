@@ -9,8 +9,13 @@ naming it within ``grace`` seconds.
 Sends never block (no high-water mark). Payloads of ``ZERO_COPY_BYTES`` or more go out
 zero-copy: ZeroMQ reads the caller's array directly, so the caller must not modify it until
 :meth:`flush` returns, which the communicator calls at the end of every collective; smaller
-ones (every segment, with the default 1 MiB segments) are copied, which measured faster. Receives take ZeroMQ's buffer as it is
-(``copy=False``); the algorithm reduces or copies straight from it.
+ones (every segment, with the default 1 MiB segments) are copied, which measured faster.
+Receives take ZeroMQ's buffer as it is (``copy=False``); the algorithm reduces or copies
+straight from it.
+
+Between ranks on one host (``ipc://`` peers) segments of ``SHM_MIN_BYTES`` up to one slot
+travel through shared-memory lanes instead (:mod:`.shm`): ZeroMQ carries only a notice
+naming the slot, the receiver reduces straight out of it.
 
 All sockets belong to the one thread that calls this object (ZeroMQ sockets are not
 thread-safe); ``ringcomm.engine`` makes that the communication thread.
@@ -27,6 +32,7 @@ from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
 from .frame import Kind
+from .shm import InLanes, OutLane
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,9 @@ log = logging.getLogger(__name__)
 # MiB runs at cache speed, and measured here it beats tracking each message through pyzmq's
 # garbage-collector thread by ~10 % on 4 and 64 MiB all-reduces (bench/RESULTS.md).
 ZERO_COPY_BYTES = int(os.environ.get("RINGCOMM_ZERO_COPY_BYTES", 4 << 20))
+# Segments at least this large go through a shared-memory lane to same-host peers; below
+# it a ZeroMQ copy costs less than the slot bookkeeping.
+SHM_MIN_BYTES = int(os.environ.get("RINGCOMM_SHM_MIN_BYTES", 32 << 10))
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -46,11 +55,19 @@ class ZmqTransport(Transport):
     """Messages between ranks over ZeroMQ.
 
     ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r.
+    ``lanes``: ``(slots, slot_bytes)`` of the shared-memory lanes to ``ipc://`` peers, or
+    ``None`` to send everything through ZeroMQ.
     """
 
     def __init__(self, rank, world_size, context, pull, endpoints, grace=1.0, close_wait=30.0,
-                 cleanup=(), guard=None):
+                 cleanup=(), guard=None, lanes=None):
         super().__init__(rank, world_size)
+        self._lane_peers = set()
+        self._out_lanes = {}  # peer -> OutLane, created on the first segment sent there
+        self._in_lanes = InLanes(*lanes) if lanes else None
+        if lanes:
+            self._lane_args = lanes
+            self._lane_peers = {p for p, e in enumerate(endpoints) if p != rank and e.startswith("ipc://")}
         self._ctx, self._pull = context, pull
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
         self._guard = guard
@@ -92,6 +109,24 @@ class ZmqTransport(Transport):
             self._pump(0.05)
 
     # -- sending -------------------------------------------------------------------------
+    def send(self, dst, key, sig, payload, copy=False):
+        nbytes = memoryview(payload).nbytes
+        if dst in self._lane_peers and SHM_MIN_BYTES <= nbytes <= self._in_lanes.slot_bytes:
+            lane = self._out_lanes.get(dst) or self._open_lane(dst)
+            notice = lane.put(payload) if lane is not None else None
+            if notice is not None:
+                return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
+        return super().send(dst, key, sig, payload, copy)
+
+    def _open_lane(self, dst):
+        try:
+            lane = self._out_lanes[dst] = OutLane(*self._lane_args)
+            return lane
+        except OSError as exc:  # e.g. a full or missing /dev/shm: ZeroMQ still works
+            log.warning("rank %d: no shared memory to rank %d (%s); using ZeroMQ", self.rank, dst, exc)
+            self._lane_peers.discard(dst)
+            return None
+
     def _post(self, dst, header, payload, copy=False):
         if dst in self._said_bye:
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its communicator", rank=dst)
@@ -135,6 +170,11 @@ class ZmqTransport(Transport):
                 if len(parts) != 2:
                     raise FrameError(f"message of {len(parts)} frames, expected 2")
                 header = frame.unpack(parts[0].bytes, len(parts[1]), self.world_size, self.rank)
+                payload = parts[1].buffer
+                if header.kind == Kind.SHM:
+                    if self._in_lanes is None:
+                        raise FrameError("shared-memory notice, but this rank has no lanes")
+                    payload = self._in_lanes.take(header.src, parts[1].bytes, header.nbytes)
             except FrameError as exc:
                 self.rejected += 1
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
@@ -142,7 +182,7 @@ class ZmqTransport(Transport):
             if header.kind == Kind.BYE:
                 self._said_bye.add(header.src)
             else:
-                self.mailbox.put(header, parts[1].buffer)
+                self.mailbox.put(header, payload)
 
     def _on_monitor(self, monitor):
         event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
@@ -194,6 +234,8 @@ class ZmqTransport(Transport):
         if self._guard is not None:
             self._guard.stop()
         self._ctx.term()
+        for lane in self._out_lanes.values():
+            lane.close()
         for path in self._cleanup:
             try:
                 os.unlink(path)

@@ -54,7 +54,8 @@ def messages(draw):
 def test_round_trip(msg):
     kind, src, key, nbytes, sig, world, self_rank = msg
     raw = frame.pack(kind, src, key, nbytes, sig)
-    header = frame.unpack(raw, nbytes, world, self_rank)
+    frame_len = frame.SHM_NOTICE_BYTES if kind == Kind.SHM else nbytes
+    header = frame.unpack(raw, frame_len, world, self_rank)
     assert header == Header(kind, src, key, nbytes, sig)
     assert type(header.kind) is Kind
     assert type(header.key) is Key
@@ -80,6 +81,15 @@ def patched(raw, offset, value):
     return raw[:offset] + value + raw[offset + len(value):]
 
 
+@pytest.mark.parametrize("frame_len", [0, 12, 63, 65])
+def test_rejects_shared_memory_notice_of_wrong_length(frame_len):
+    # an SHM header's nbytes is the data's length in the slot; its frame is the notice
+    raw = good_raw(kind=Kind.SHM, nbytes=1 << 20)
+    assert frame.unpack(raw, frame.SHM_NOTICE_BYTES, 4, 0).nbytes == 1 << 20
+    with pytest.raises(FrameError, match="notice"):
+        frame.unpack(raw, frame_len, 4, 0)
+
+
 def test_good_header_is_accepted():
     assert frame.unpack(good_raw(), 12, 4, 0).src == 1
 
@@ -96,7 +106,7 @@ def test_rejects_wrong_version(version):
         frame.unpack(patched(good_raw(), OFF_VERSION, bytes([version])), 12, 4, 0)
 
 
-@pytest.mark.parametrize("kind", [0, 4, 5, 255])
+@pytest.mark.parametrize("kind", [0, 5, 6, 255])
 def test_rejects_unknown_kind(kind):
     with pytest.raises(FrameError, match="kind"):
         frame.unpack(patched(good_raw(), OFF_KIND, bytes([kind])), 12, 4, 0)
