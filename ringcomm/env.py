@@ -8,10 +8,13 @@ Read from the environment that a launcher leaves, in this order:
 - none of them: a single process (rank 0 of 1).
 
 ``MASTER_ADDR`` (default 127.0.0.1) and ``MASTER_PORT`` name rank 0's rendezvous. Settings:
-``RINGCOMM_TIMEOUT`` (seconds, default 300), ``RINGCOMM_SEGMENT_BYTES`` (default 1 MiB),
-``RINGCOMM_SECRET`` (the job secret; ``ringcomm.launch`` generates one),
-``RINGCOMM_TRANSPORT=tcp`` (TCP even between ranks of one host), ``RINGCOMM_ENCRYPT=1``
-(CURVE encryption of every peer connection; see :mod:`ringcomm.transport.security`).
+``RINGCOMM_TIMEOUT`` (seconds, default 300), ``RINGCOMM_SEGMENT_BYTES`` (default 4 MiB when
+every rank shares this host's shared-memory lanes, else 1 MiB), ``RINGCOMM_SECRET`` (the job
+secret; ``ringcomm.launch`` generates one), ``RINGCOMM_TRANSPORT=tcp`` (TCP even between
+ranks of one host), ``RINGCOMM_ENCRYPT=1`` (CURVE encryption of every peer connection; see
+:mod:`ringcomm.transport.security`), ``RINGCOMM_SHM=0`` (no shared-memory lanes: every byte
+through ZeroMQ), ``RINGCOMM_SHM_SLOTS`` (slots per lane, default 4; see
+:mod:`ringcomm.transport.shm`).
 """
 import hashlib
 import os
@@ -20,6 +23,10 @@ from dataclasses import dataclass
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_SEGMENT_BYTES = 1 << 20
+# Through shared memory each segment costs a ZeroMQ notice and a hop; on two cores fewer,
+# larger segments measured faster (4 MiB all-reduce at N=2: 1.0 ms vs 1.4 ms with 1 MiB;
+# 64 MiB at N=4: 53 ms vs 65 ms). ZeroMQ alone prefers 1 MiB (bench/RESULTS.md).
+DEFAULT_LANE_SEGMENT_BYTES = 4 << 20
 
 _SOURCES = (
     ("launcher", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
@@ -44,7 +51,7 @@ class JobInfo:
     force_tcp: bool = False
     encrypt: bool = False
     shared_memory: bool = True  # same-host segments through /dev/shm lanes
-    shm_slots: int = 8          # slots per lane (each one segment)
+    shm_slots: int = 4          # slots per lane (each one segment)
 
 
 def _int(environ, name, default=None):
@@ -80,13 +87,15 @@ def from_environ(environ=None):
         except ValueError:
             raise ValueError(f"environment variable RINGCOMM_TIMEOUT={environ['RINGCOMM_TIMEOUT']!r} "
                              "is not a number of seconds") from None
-    info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES)
+    info.force_tcp = environ.get("RINGCOMM_TRANSPORT", "").lower() == "tcp"
+    info.shared_memory = environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
+    info.shm_slots = _int(environ, "RINGCOMM_SHM_SLOTS", 4)
+    one_host = info.local_world_size == info.world_size and info.shared_memory and not info.force_tcp
+    info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES",
+                              DEFAULT_LANE_SEGMENT_BYTES if one_host else DEFAULT_SEGMENT_BYTES)
     info.secret = environ.get("RINGCOMM_SECRET") or hashlib.sha256(
         f"ringcomm:{info.master_addr}:{info.master_port}".encode()).hexdigest()[:32]
-    info.force_tcp = environ.get("RINGCOMM_TRANSPORT", "").lower() == "tcp"
     info.encrypt = environ.get("RINGCOMM_ENCRYPT", "").lower() in ("1", "true", "yes", "on")
-    info.shared_memory = environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
-    info.shm_slots = _int(environ, "RINGCOMM_SHM_SLOTS", 8)
     return info
 
 

@@ -21,9 +21,29 @@ def test_no_launcher_is_a_single_process():
     assert info.master_addr == "127.0.0.1"
     assert info.master_port == 0
     assert info.timeout == env.DEFAULT_TIMEOUT == 300.0
-    assert info.segment_bytes == env.DEFAULT_SEGMENT_BYTES == 1 << 20
+    assert info.segment_bytes == env.DEFAULT_LANE_SEGMENT_BYTES == 4 << 20
     assert info.force_tcp is False
+    assert info.shared_memory is True and info.shm_slots == 4
     env.validate(info)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({}, 4 << 20),                                        # all ranks on this host: lanes
+    ({"LOCAL_WORLD_SIZE": "2"}, 1 << 20),                 # other hosts too: ZeroMQ over TCP
+    ({"RINGCOMM_SHM": "0"}, 1 << 20),
+    ({"RINGCOMM_TRANSPORT": "tcp"}, 1 << 20),
+    ({"RINGCOMM_SEGMENT_BYTES": "65536"}, 65536),         # the user's choice wins
+    ({"LOCAL_WORLD_SIZE": "2", "RINGCOMM_SEGMENT_BYTES": "8388608"}, 8 << 20),
+])
+def test_segment_size_default_follows_the_transport(extra, expected):
+    environ = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4", **extra}
+    assert env.from_environ(environ).segment_bytes == expected
+
+
+def test_shared_memory_settings_are_checked():
+    assert env.from_environ({"RINGCOMM_SHM": "off"}).shared_memory is False
+    with pytest.raises(ValueError, match="SHM_SLOTS"):
+        env.validate(env.from_environ({"RINGCOMM_SHM_SLOTS": "0"}))
 
 
 def test_from_environ_does_not_read_os_environ_when_given_a_dict(monkeypatch):
