@@ -39,7 +39,7 @@ class Mailbox:
         self._aborts = {}                     # (comm, seq) -> exception to raise
         self._retired = {}                    # comm -> highest retired seq
         self._poison = {}                     # comm -> error for its next collective
-        self._failed = set()                  # (comm, seq) of collectives that failed here
+        self._failed_upto = {}                # comm -> highest seq that failed here
         self.dropped = 0
 
     def put(self, header, payload):
@@ -58,8 +58,11 @@ class Mailbox:
                 if lost != NO_RANK:
                     exc.rank = lost
                 return exc
-            if (key.comm_id, key.seq) in self._failed:
-                return  # this rank failed that collective too; nothing more to learn
+            if key.seq <= self._failed_upto.get(key.comm_id, -1):
+                # this rank failed that collective, or a later one: it has already told
+                # its caller that something went wrong, and poisoning the next collective
+                # would fail it on every rank a second time
+                return
             if key.seq <= self._retired.get(key.comm_id, -1):
                 # this rank already finished that collective without noticing (it only
                 # sent); its next collective on the communicator fails instead, and is
@@ -119,7 +122,7 @@ class Mailbox:
         """Collective ``seq`` of ``comm_id`` is over: forget it and drop its stragglers."""
         self._retired[comm_id] = max(seq, self._retired.get(comm_id, -1))
         if failed:
-            self._failed.add((comm_id, seq))
+            self._failed_upto[comm_id] = max(seq, self._failed_upto.get(comm_id, -1))
         self._signatures.pop((comm_id, seq), None)
         self._aborts.pop((comm_id, seq), None)
         stale = [i for i in self._messages if i[1] == comm_id and i[2] == 0 and i[3] <= seq]

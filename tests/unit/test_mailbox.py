@@ -293,6 +293,18 @@ def test_late_abort_for_collective_that_failed_here_is_ignored():
     assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"next"
 
 
+def test_late_abort_for_an_older_collective_after_a_later_one_failed_here_is_ignored():
+    """Collective 3 failed on rank 2 while this rank only sent; this rank then failed 4
+    (told by a faster peer) before rank 2's abort of 3 arrived. Poisoning 5 as well would
+    fail it on every rank a second time (seen under load in test_mismatch_raises_on_every_rank)."""
+    box = Mailbox()
+    box.retire(0, 3)
+    box.retire(0, 4, failed=True)
+    put(box, abort(2, 0, 3, code=1))
+    put(box, data(1, Key(0, 0, 5, 0, 0), b"next"))
+    assert box.take(1, Key(0, 0, 5, 0, 0), SIG_A) == b"next"
+
+
 def test_retire_is_monotonic():
     box = Mailbox()
     box.retire(0, 5)
