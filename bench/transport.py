@@ -8,6 +8,11 @@ the parent PUSHes zero-copy over ``ipc://``; the rate is bytes over the time unt
 has sent the last segment, median of the repeats. A ring all-reduce on N ranks moves
 2(N−1)/N of the buffer through such a link in each direction at once, so at N=2 a 4 MiB
 all-reduce cannot beat ≈ 2 × 2 MiB / (this rate), plus the reductions.
+
+The same for a shared-memory lane (:mod:`ringcomm.transport.shm`, what ranks of one host
+use): the parent copies each segment into a slot and sends a notice over ZeroMQ, the child
+reduces out of the slot; the rate counts until the child has reduced the last segment. And
+the one-way latency of a small ZeroMQ message (half a ping-pong): every ring step pays it.
 """
 import argparse
 import os
@@ -19,6 +24,9 @@ import numpy as np
 import zmq
 
 from benchlib import parse_size
+from ringcomm.transport.shm import InLanes, OutLane
+
+SLOTS = 4
 
 
 def zmq_rate(segment, total, repeats):
@@ -54,6 +62,80 @@ def zmq_rate(segment, total, repeats):
     return statistics.median(rates)
 
 
+def _pair(path, bind):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    (sock.bind if bind else sock.connect)(f"ipc://{path}")
+    return ctx, sock
+
+
+def _close(ctx, sock):
+    """Deliver what is queued before the child's ``os._exit``, which would drop it."""
+    sock.close(linger=5000)
+    ctx.term()
+
+
+def lane_rate(segment, total, repeats):
+    """GB/s through a lane of ``SLOTS`` slots, the receiver reducing every segment."""
+    path = os.path.join(tempfile.gettempdir(), f"ringcomm-bench-lane-{os.getpid()}.sock")
+    lane = OutLane(SLOTS, segment)
+    count = total // segment
+    pid = os.fork()
+    if pid == 0:
+        ctx, sock = _pair(path, bind=False)
+        lanes = InLanes(SLOTS, segment)
+        acc = np.zeros(segment // 4, np.float32)
+        for _ in range(repeats):
+            for _ in range(count):
+                view = lanes.take(0, sock.recv(), segment)
+                np.add(acc, np.frombuffer(view, np.float32), out=acc)
+                del view  # acknowledges the slot
+            sock.send(b"done")
+        _close(ctx, sock)
+        os._exit(0)
+    ctx, sock = _pair(path, bind=True)
+    data = np.ones(total, np.uint8)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(count):
+            while (notice := lane.put(data[i * segment:(i + 1) * segment])) is None:
+                time.sleep(0)  # every slot still being reduced: wait for an ack
+            sock.send(notice)
+        sock.recv()
+        rates.append(total / (time.perf_counter() - start) / 1e9)
+    os.waitpid(pid, 0)
+    ctx.destroy(0)
+    lane.close()
+    os.unlink(path)
+    return statistics.median(rates)
+
+
+def hop_latency(rounds=2000):
+    """One-way time of an 8-byte ZeroMQ message over ipc (median of half round trips), s."""
+    path = os.path.join(tempfile.gettempdir(), f"ringcomm-bench-hop-{os.getpid()}.sock")
+    pid = os.fork()
+    if pid == 0:
+        ctx, sock = _pair(path, bind=False)
+        for _ in range(rounds + 1):
+            sock.send(sock.recv())
+        _close(ctx, sock)
+        os._exit(0)
+    ctx, sock = _pair(path, bind=True)
+    sock.send(b"x" * 8)
+    sock.recv()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        sock.send(b"x" * 8)
+        sock.recv()
+        times.append((time.perf_counter() - start) / 2)
+    os.waitpid(pid, 0)
+    ctx.destroy(0)
+    os.unlink(path)
+    return statistics.median(times)
+
+
 def copy_rate(nbytes, repeats):
     a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     times = []
@@ -66,12 +148,18 @@ def copy_rate(nbytes, repeats):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--segments", default="128K,512K,2M")
+    p.add_argument("--segments", default="128K,512K,1M,4M")
     p.add_argument("--total", default="64M")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     total = parse_size(args.total)
     print(f"memory copy, 4 MiB: {copy_rate(4 << 20, 20):.1f} GB/s; 64 MiB: {copy_rate(64 << 20, 5):.1f} GB/s")
+    for seg in (parse_size(s) for s in args.segments.split(",")):
+        print(f"shared-memory lane, {SLOTS} slots of {seg >> 10:>5} KiB, receiver reducing: "
+              f"{lane_rate(seg, total, args.repeats):.2f} GB/s")
+    # before any zero-copy send: a child forked after pyzmq's garbage-collector thread
+    # started can hang in ZeroMQ
+    print(f"ZeroMQ ipc one-way latency of an 8-byte message: {hop_latency() * 1e6:.0f} µs")
     for seg in (parse_size(s) for s in args.segments.split(",")):
         print(f"ZeroMQ ipc, {seg >> 10:>5} KiB segments, receiver reducing: "
               f"{zmq_rate(seg, total, args.repeats):.2f} GB/s")
