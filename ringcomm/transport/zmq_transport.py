@@ -6,7 +6,8 @@ when this rank was not talking to it: a monitor on each PUSH socket reports the
 disconnection, and unless that peer said BYE first, every wait raises :class:`PeerLost`
 naming it within ``grace`` seconds.
 
-Sends never block (no high-water mark). Payloads of ``ZERO_COPY_BYTES`` or more go out
+Sends never block (no high-water mark). A message under ``ONE_FRAME_BYTES`` is one frame
+(header, then payload); a larger one two frames, so that the payload can go out zero-copy. Payloads of ``ZERO_COPY_BYTES`` or more go out
 zero-copy: ZeroMQ reads the caller's array directly, so the caller must not modify it until
 :meth:`flush` returns, which the communicator calls at the end of every collective; smaller
 ones (every segment, with the default 1 MiB segments) are copied, which measured faster.
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 # MiB runs at cache speed, and measured here it beats tracking each message through pyzmq's
 # garbage-collector thread by ~10 % on 4 and 64 MiB all-reduces (bench/RESULTS.md).
 ZERO_COPY_BYTES = int(os.environ.get("RINGCOMM_ZERO_COPY_BYTES", 4 << 20))
+# Messages smaller than this travel as one frame, header and payload joined (one copy, which
+# costs less than a second pyzmq send and receive call); larger ones as two frames.
+ONE_FRAME_BYTES = 64 << 10
 # Segments at least this large go through a shared-memory lane to same-host peers; below
 # it a ZeroMQ copy costs less than the slot bookkeeping.
 SHM_MIN_BYTES = int(os.environ.get("RINGCOMM_SHM_MIN_BYTES", 32 << 10))
@@ -72,8 +76,7 @@ class ZmqTransport(Transport):
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
         self._guard = guard
         self.grace, self.close_wait = grace, close_wait
-        self._poller = zmq.Poller()
-        self._poller.register(pull, zmq.POLLIN)
+        self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket
         self._push, self._monitor_peer = {}, {}
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
@@ -87,7 +90,7 @@ class ZmqTransport(Transport):
             sock.connect(endpoint)
             self._push[peer] = sock
             self._monitor_peer[monitor] = peer
-            self._poller.register(monitor, zmq.POLLIN)
+            self._poll_all.append((monitor, zmq.POLLIN))
         self._in_flight = collections.deque()  # MessageTrackers of zero-copy sends
         self._said_bye = set()
         self._gone_since = {}  # peer -> time its connection dropped
@@ -132,7 +135,11 @@ class ZmqTransport(Transport):
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its communicator", rank=dst)
         sock = self._push[dst]
         try:
-            if not copy and memoryview(payload).nbytes >= ZERO_COPY_BYTES:
+            nbytes = memoryview(payload).nbytes
+            if nbytes < ONE_FRAME_BYTES:  # one ZeroMQ frame: half the send and receive calls
+                sock.send(b"".join((header, payload)), zmq.NOBLOCK)
+                return None
+            if not copy and nbytes >= ZERO_COPY_BYTES:
                 tracker = sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False, track=True)
                 self._in_flight.append(tracker)
                 return tracker
@@ -154,27 +161,29 @@ class ZmqTransport(Transport):
 
     # -- receiving -----------------------------------------------------------------------
     def _pump(self, timeout):
-        for sock, _ in self._poller.poll(int(timeout * 1000)):
+        for sock, _ in zmq.zmq_poll(self._poll_all, int(timeout * 1000)):
             if sock is self._pull:
                 self._drain()
             else:
                 self._on_monitor(sock)
 
     def _drain(self):
-        while True:
+        pull = self._pull
+        while pull.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
+            parts = pull.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
-                parts = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                if len(parts) != 2:
-                    raise FrameError(f"message of {len(parts)} frames, expected 2")
-                header = frame.unpack(parts[0].bytes, len(parts[1]), self.world_size, self.rank)
-                payload = parts[1].buffer
+                if len(parts) == 1:  # header and payload in one frame
+                    whole = parts[0].buffer
+                    head, payload = whole[:frame.HEADER.size], whole[frame.HEADER.size:]
+                elif len(parts) == 2:
+                    head, payload = parts[0].buffer, parts[1].buffer
+                else:
+                    raise FrameError(f"message of {len(parts)} frames, expected 1 or 2")
+                header = frame.unpack(head, len(payload), self.world_size, self.rank)
                 if header.kind == Kind.SHM:
                     if self._in_lanes is None:
                         raise FrameError("shared-memory notice, but this rank has no lanes")
-                    payload = self._in_lanes.take(header.src, parts[1].bytes, header.nbytes)
+                    payload = self._in_lanes.take(header.src, bytes(payload), header.nbytes)
             except FrameError as exc:
                 self.rejected += 1
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
