@@ -74,7 +74,7 @@ gpu-check:
 
 lint: install-test
 	$(PY) -m pip install --quiet ruff
-	$(VENV)/bin/ruff check ringcomm tests
+	$(VENV)/bin/ruff check ringcomm tests bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -26,19 +26,13 @@ import time
 
 import numpy as np
 
+from ringcomm.units import human, parse_size  # noqa: F401 - the benchmarks import them from here
+
 PERIOD = 13  # inputs repeat with this period: see input_for
 FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
            "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0}
 COLLECTIVES = tuple(FACTORS)
 OPS = ("sum", "max", "min")
-
-
-def parse_size(text):
-    """'4096', '4K', '4KiB', '16M', '1G' -> bytes (K, M, G are powers of 1024)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"not a size in bytes: {text!r} (try 4096, 256K, 4MiB)")
-    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2).upper() or " ")
 
 
 def parse_sizes(spec):
@@ -70,13 +64,6 @@ def parse_rate(text):
     if not match:
         raise ValueError(f"not a tc rate in bits: {text!r} (try 1gbit, 500mbit)")
     return float(match.group(1)) * 1000 ** " kmg".index(match.group(2).lower() or " ")
-
-
-def human(nbytes):
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 def busbw_factor(collective, n):

@@ -66,9 +66,11 @@ def main(argv=None):
         b.plot(ms, [r["peak_activation_bytes"] / 1024 for r in sel], marker=marker, label=sched)
     sel = [r for r in rows if r["schedule"] == "gpipe"]
     a.plot([r["micro_batches"] for r in sel], [r["formula"] for r in sel], "k--", label="(P-1)/(M+P-1)")
-    a.set_xlabel("micro-batches M"); a.set_ylabel("idle fraction"); a.legend(); a.set_xscale("log", base=2)
-    b.set_xlabel("micro-batches M"); b.set_ylabel("peak activation memory per stage (KiB)"); b.legend()
-    b.set_xscale("log", base=2)
+    for axis, ylabel in ((a, "idle fraction"), (b, "peak activation memory per stage (KiB)")):
+        axis.set_xlabel("micro-batches M")
+        axis.set_ylabel(ylabel)
+        axis.legend()
+        axis.set_xscale("log", base=2)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "pipeline.png"), dpi=110)
     return 0

@@ -30,7 +30,6 @@ collective may take 60 s unless ``RINGCOMM_TIMEOUT`` (``launch --timeout``) says
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ import zlib
 import numpy as np
 
 import ringcomm
+from ringcomm.units import human, parse_size
 
 SEED = 20240521
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -52,21 +52,6 @@ DEFAULT_TIMEOUT = 60.0  # seconds per collective, unless RINGCOMM_TIMEOUT (launc
 
 class Fatal(Exception):
     """A collective raised: the ranks may no longer agree on what runs next, so stop."""
-
-
-def parse_size(text):
-    """'4096', '4K', '4KiB', '16MiB', '1G' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4096, 256KiB, 4MiB)")
-    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2).upper() or " ")
-
-
-def human(nbytes):
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 class Inputs:
