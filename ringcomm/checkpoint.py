@@ -38,199 +38,21 @@ every rank (one host, or a shared filesystem).
 """
 import argparse
 import hashlib
-import io
 import json
 import os
-import re
-import shutil
 import sys
 from dataclasses import dataclass
 
 import numpy as np
 
+from .checkpoint_files import (  # noqa: F401 - part of this module's interface
+    FORMAT, KEEP, MANIFEST, VERSION, CheckpointError, Entry, _remove_stale_temporaries, fsync_dir,
+    load_npz, newest_complete, npz_bytes, prune, resolve, scan, sha256_file, step_dir, verify,
+    write_durable)
 from .device import to_host
 
-FORMAT, VERSION = "ringcomm-checkpoint", 1
-MANIFEST = "manifest.json"
-KEEP = 2
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _SCALER_KEYS = {"scale": "scaler_scale", "clean": "scaler_clean", "hysteresis": "scaler_hysteresis",
                 "skipped": "scaler_skipped"}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, found or used; the message says why."""
-
-
-def step_dir(root, step):
-    return os.path.join(root, f"step_{step:06d}")
-
-
-# -- durable files ---------------------------------------------------------------------------
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durable(path, data):
-    """Write ``data`` (bytes) to ``path`` atomically: temporary name, flush, fsync, rename,
-    fsync of the directory. Readers see the old file or the whole new one, never a torn one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def npz_bytes(arrays):
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def load_npz(path, sha256=None):
-    """The arrays of a rank file (no pickle), checked against ``sha256`` when given."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise CheckpointError(f"{path}: contents do not match the manifest's sha256")
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
-
-
-# -- finding checkpoints ---------------------------------------------------------------------
-@dataclass
-class Entry:
-    step: int
-    path: str
-    complete: bool
-    reason: str = ""          # why it is incomplete
-    manifest: dict = None     # when readable
-
-
-def verify(path):
-    """``(manifest, "")`` if the checkpoint in ``path`` is complete, else ``(manifest or None,
-    reason)``."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        return None, "no manifest"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable manifest ({e})"
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        return None, f"not a {FORMAT} v{VERSION} manifest"
-    files = manifest.get("files", {})
-    if len(files) != manifest.get("world_size"):
-        return manifest, "manifest lists the wrong number of rank files"
-    for name, info in files.items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return manifest, f"{name} is missing"
-        if os.path.getsize(file) != info["bytes"] or sha256_file(file) != info["sha256"]:
-            return manifest, f"{name} does not match its sha256"
-    return manifest, ""
-
-
-def scan(root, check=True):
-    """Every ``step_*`` directory in ``root``, oldest first. ``check=False`` only looks for
-    the manifest (no hashing)."""
-    entries = []
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return entries
-    for name in names:
-        match = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if not match or not os.path.isdir(path):
-            continue
-        if check:
-            manifest, reason = verify(path)
-        else:
-            present = os.path.isfile(os.path.join(path, MANIFEST))
-            manifest, reason = None, "" if present else "no manifest"
-        if manifest is not None and manifest.get("step") != int(match.group(1)):
-            reason = reason or f"manifest says step {manifest.get('step')}"
-        entries.append(Entry(int(match.group(1)), path, not reason, reason, manifest))
-    return sorted(entries, key=lambda e: e.step)
-
-
-def newest_complete(root):
-    """The newest complete checkpoint in ``root`` (hashes checked), or None. Checks from the
-    newest down and stops at the first complete one."""
-    for entry in reversed(scan(root, check=False)):
-        manifest, reason = verify(entry.path)
-        if not reason and manifest.get("step") == entry.step:
-            return Entry(entry.step, entry.path, True, "", manifest)
-    return None
-
-
-def resolve(path):
-    """A checkpoint directory from ``path``: itself if it holds a manifest, else the newest
-    complete checkpoint under it."""
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        manifest, reason = verify(path)
-        if reason:
-            raise CheckpointError(f"{path}: incomplete checkpoint: {reason}")
-        return Entry(manifest["step"], path, True, "", manifest)
-    entry = newest_complete(path)
-    if entry is None:
-        raise CheckpointError(f"{path}: no complete checkpoint")
-    return entry
-
-
-def _remove(path):
-    """Delete a checkpoint directory, manifest first."""
-    manifest = os.path.join(path, MANIFEST)
-    if os.path.exists(manifest):
-        os.unlink(manifest)
-        _fsync_dir(path)
-    shutil.rmtree(path)
-
-
-def _remove_stale_temporaries(path, names):
-    """Delete temporary files of ``names`` left in ``path`` by a writer that crashed (each rank
-    only its own: another rank may be writing its file right now)."""
-    names = (names,) if isinstance(names, str) else names
-    for file in os.listdir(path):
-        base, sep, _ = file.partition(".tmp-")
-        if sep and base in names:
-            os.unlink(os.path.join(path, file))
-
-
-def prune(root, current, keep=KEEP):
-    """After step ``current`` is complete: keep it and the newest complete checkpoints before
-    it (``keep`` in all); delete older or incomplete ones, and any with a later step (left by
-    an earlier run or attempt: not part of this run's history)."""
-    kept = 0
-    for entry in reversed(scan(root, check=False)):
-        if entry.step == current:
-            kept += 1
-        elif entry.step < current and kept < keep and entry.complete and not verify(entry.path)[1]:
-            kept += 1
-        else:
-            _remove(entry.path)
-    _fsync_dir(root)
 
 
 # -- the layout, as recorded in the manifest --------------------------------------------------
@@ -331,7 +153,7 @@ def save(meta, strategy, cfg, step, losses, root):
     os.makedirs(path, exist_ok=True)
     if rank == 0 and os.path.exists(os.path.join(path, MANIFEST)):
         os.unlink(os.path.join(path, MANIFEST))  # rewriting a step: it is incomplete until done
-        _fsync_dir(path)
+        fsync_dir(path)
     # every rank's file is durable once its record (digest, size, ok) has arrived: this
     # gather is the barrier before the manifest
     mine, error = np.zeros(41, np.uint8), None
@@ -356,7 +178,7 @@ def save(meta, strategy, cfg, step, losses, root):
             digests = [(bytes(rec[:32]).hex(), int(rec[32:40].view(np.int64)[0])) for rec in records]
             manifest = manifest_for(strategy, cfg, step, digests)
             write_durable(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
-            _fsync_dir(root)  # the step directory's own entry
+            fsync_dir(root)  # the step directory's own entry
         except Exception as e:  # noqa: BLE001 - every rank must hear about it, not wait
             status[0], error = 1, e
         if not status[0]:

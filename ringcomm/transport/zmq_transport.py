@@ -169,8 +169,13 @@ class ZmqTransport(Transport):
 
     def _drain(self):
         pull = self._pull
-        while pull.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
-            parts = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+        # ZMQ_EVENTS is cheaper than a failed receive's exception, but may say "readable"
+        # for a pipe that turns out to hold only its end (a peer's dropped connection)
+        while pull.get(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                parts = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             try:
                 if len(parts) == 1:  # header and payload in one frame
                     whole = parts[0].buffer
