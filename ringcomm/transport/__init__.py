@@ -7,7 +7,31 @@ import zmq
 from . import rendezvous
 from .security import Guard
 from .tuning import tune_malloc
-from .zmq_transport import ZmqTransport
+from . import shm
+from .zmq_transport import LanePlan, ZmqTransport
+
+
+def _shared_memory_entry(info):
+    """What this rank tells the others about its /dev/shm (``None``: no lanes)."""
+    if not info.shared_memory or info.force_tcp:
+        return None
+    try:
+        return {"id": shm.identity(), "token": shm.new_token()}
+    except OSError:  # no /dev/shm here
+        return None
+
+
+def _lane_plan(info, entry, table):
+    """Lanes go to every other rank of this host that sees the same /dev/shm as this one."""
+    mine = entry["shm"]
+    if mine is None:
+        return None
+    peers = {p: e["shm"]["token"] for p, e in enumerate(table)
+             if p != info.rank and e["host"] == entry["host"] and isinstance(e.get("shm"), dict)
+             and e["shm"].get("id") == mine["id"]}
+    if not peers:
+        return None
+    return LanePlan(info.shm_slots, info.segment_bytes, mine["token"], peers)
 
 
 def connect(info):
@@ -21,6 +45,7 @@ def connect(info):
     try:
         guard = Guard(context, info.secret, info.encrypt)
         pull, entry = rendezvous.bind_pull(context, info.master_addr, info.segment_bytes + 8192, guard)
+        entry["shm"] = _shared_memory_entry(info)
         settings = {"segment_bytes": info.segment_bytes,
                     "shm_slots": info.shm_slots if info.shared_memory else 0}
         table = rendezvous.exchange(context, info.rank, info.world_size, info.master_addr,
@@ -28,10 +53,11 @@ def connect(info):
         endpoints = rendezvous.endpoints_for(entry, table, info.force_tcp)
         transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints, guard=guard,
                                  cleanup=[entry["ipc"][len("ipc://"):]],
-                                 lanes=(info.shm_slots, info.segment_bytes) if info.shared_memory else None)
+                                 lanes=_lane_plan(info, entry, table))
         transport.local_endpoints = {"ipc": entry["ipc"], "tcp": entry["tcp"]}
         try:
             transport.await_connections(time.monotonic() + info.timeout)
+            transport.open_lanes(time.monotonic() + info.timeout)
         except BaseException:
             transport.close()
             raise

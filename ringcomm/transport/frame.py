@@ -11,7 +11,8 @@ Header fields (little-endian):
 magic  4 bytes ``RCM1``; anything else is a foreign frame
 version u8     1
 kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the payload
-               is a notice naming a shared-memory slot that holds the data)
+               is a notice naming a shared-memory slot that holds the data), LANE (the
+               sender's shared-memory lane to the receiver is ready; see ``.shm``)
 space  u8      0 = collective, 1 = point-to-point
 src    u32     the sender's global rank
 comm   u32     communicator id (0 = world; groups get a hash)
@@ -33,10 +34,10 @@ from typing import NamedTuple
 from ..errors import FrameError
 
 MAGIC = b"RCM1"
-VERSION = 1
+VERSION = 2  # 2: one-frame messages, SHM notices, LANE
 HEADER = struct.Struct("<4sBBBxIIQIIQ16s")
 MAX_ABORT_BYTES = 4096  # an abort's payload is a UTF-8 reason, never larger than this
-SHM_NOTICE_BYTES = 64   # see ringcomm.transport.shm.NOTICE
+SHM_NOTICE_BYTES = 16   # see ringcomm.transport.shm.NOTICE
 
 
 class Kind(IntEnum):
@@ -44,6 +45,7 @@ class Kind(IntEnum):
     BYE = 2
     ABORT = 3
     SHM = 4
+    LANE = 5
 
 
 class Key(NamedTuple):

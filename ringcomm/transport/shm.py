@@ -8,23 +8,34 @@ receiver reduces straight out of it.
 
 Words used here:
 
-- **lane** — one direction between two ranks on a host: a file in ``/dev/shm`` created by
-  the sender (mode 0600, random name), mapped by both. Page 0 holds the *ack table*, one
-  uint64 per slot; then come ``nslots`` slots of ``slot_bytes`` each.
+- **lane** — one direction between two ranks that share ``/dev/shm``: a file there named
+  ``ringcomm-<token>-<src>-<dst>`` (the sender's random token comes from the signed
+  rendezvous table; mode 0600), created by the sender, mapped by both. Page 0 holds the
+  *ack table*, one uint64 per slot; then come ``nslots`` slots of ``slot_bytes`` each.
 - **slot** — room for one segment. Its *generation* counts how often the sender filled it.
+  Its pages are reserved (``posix_fallocate``) when first used, so an idle lane costs one
+  page and a full tmpfs fails a reservation (that segment then goes through ZeroMQ) instead
+  of killing the process with SIGBUS on a write.
 - **notice** — the ZeroMQ message (kind ``SHM``) that replaces a DATA message: the usual
-  header, then a :data:`NOTICE` naming the lane file, slot and generation.
+  header, then a :data:`NOTICE` of slot and generation.
+
+Lanes are opened at start-up (:meth:`~.zmq_transport.ZmqTransport.open_lanes`): every
+sender creates its lanes and says so with a LANE message, and every receiver maps and at
+once unlinks the lanes into it, so no name from the network is ever opened and nothing
+stays in ``/dev/shm`` once a job has started; a sender unlinks what was never opened when
+it closes.
 
 A slot is free when the ack table holds its current generation. The receiver writes it when
-the last array over the slot is garbage (``weakref.finalize``), so an algorithm that reduces
-and forgets a segment frees its slot at once, and one that keeps it holds the slot. A sender
-that finds no free slot sends the segment through ZeroMQ as usual: it never waits for a
-receiver, so two ranks that each wait on the other's slots cannot deadlock.
+the last array over the slot is garbage (``weakref.finalize`` on a ctypes window, which every
+numpy view keeps alive), so an algorithm that reduces and forgets a segment frees its slot
+at once, and one that keeps it holds the slot. A sender that finds no free slot sends the
+segment through ZeroMQ as usual: it never waits for a receiver, so ranks that wait on each
+other's slots cannot deadlock.
 
-Ordering: the sender's copy into a slot happens before its notice is sent (a system call),
-and the receiver's last read of a slot before its ack store; the ack is read by the sender
-before it refills the slot. The receiver unlinks the file as soon as it has mapped it, so a
-killed job leaves nothing in ``/dev/shm``; the sender unlinks the ones never opened at close.
+Ordering: the sender's copy into a slot happens before its notice is sent (a system call);
+the receiver's reads of a slot happen before its ack store, and the sender reads the ack
+before refilling the slot. x86-64 keeps stores behind earlier loads; weaker memory models
+(ARM) would want a fence before the ack store, which Python does not offer.
 
 >>> # rank 0 → rank 1 on one host, a 1 MiB segment:
 >>> notice = out_lane.put(segment)        # rank 0: None if every slot is still in use
@@ -35,6 +46,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import weakref
 
@@ -44,10 +56,27 @@ from ..errors import FrameError
 from .frame import SHM_NOTICE_BYTES
 
 SHM_DIR = "/dev/shm"
-NOTICE = struct.Struct("<IIQ48s")  # slot, pad, generation, lane file name
+NOTICE = struct.Struct("<IIQ")  # slot, pad, generation
 assert NOTICE.size == SHM_NOTICE_BYTES
-_NAME = re.compile(r"ringcomm-[0-9a-f]{32}")
+_TOKEN = re.compile(r"[0-9a-f]{32}")
 _PAGE = mmap.PAGESIZE
+
+
+def new_token():
+    return secrets.token_hex(16)
+
+
+def identity(directory=SHM_DIR):
+    """Says which ``/dev/shm`` this process sees, and as whom: ranks with equal identities can
+    share lanes (a container may share ``/tmp`` with the host but not ``/dev/shm``)."""
+    st = os.stat(directory)
+    return f"{st.st_dev}:{st.st_ino}:{os.geteuid()}"
+
+
+def lane_path(directory, token, src, dst):
+    if not _TOKEN.fullmatch(token):
+        raise ValueError(f"not a lane token: {token!r}")
+    return os.path.join(directory, f"ringcomm-{token}-{src}-{dst}")
 
 
 def _layout(nslots, slot_bytes):
@@ -57,25 +86,23 @@ def _layout(nslots, slot_bytes):
 
 
 class OutLane:
-    """The sending end of a lane to one peer (created on the first segment sent there)."""
+    """The sending end of a lane to one peer."""
 
-    def __init__(self, nslots, slot_bytes, directory=SHM_DIR):
-        self.name = f"ringcomm-{secrets.token_hex(16)}"
-        self.path = os.path.join(directory, self.name)
-        self.slot_bytes, ack_bytes, total = _layout(nslots, slot_bytes)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def __init__(self, path, nslots, slot_bytes):
+        self.path = path
+        self.slot_bytes, self._ack_bytes, total = _layout(nslots, slot_bytes)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            # reserve the pages now: a full tmpfs must fail here, not SIGBUS on first write
-            os.posix_fallocate(fd, 0, total)
-            self._map = mmap.mmap(fd, total)
+            os.ftruncate(self._fd, total)  # sparse: slots take memory when first reserved
+            self._map = mmap.mmap(self._fd, total)
         except BaseException:
-            os.unlink(self.path)
+            os.close(self._fd)
+            os.unlink(path)
             raise
-        finally:
-            os.close(fd)
         self._ack = np.frombuffer(self._map, np.uint64, nslots)
-        self._slots = np.frombuffer(self._map, np.uint8, nslots * self.slot_bytes, ack_bytes)
+        self._slots = np.frombuffer(self._map, np.uint8, nslots * self.slot_bytes, self._ack_bytes)
         self._generation = [0] * nslots
+        self._reserved = [False] * nslots
         self._next = 0
         self.fallbacks = 0  # segments that found no free slot
 
@@ -90,62 +117,92 @@ class OutLane:
         else:
             self.fallbacks += 1
             return None
+        if not self._reserved[slot]:
+            try:
+                os.posix_fallocate(self._fd, self._ack_bytes + slot * self.slot_bytes, self.slot_bytes)
+            except OSError:  # /dev/shm is full: this segment goes through ZeroMQ
+                self.fallbacks += 1
+                return None
+            self._reserved[slot] = True
         self._next = (slot + 1) % nslots
         self._generation[slot] += 1
         start = slot * self.slot_bytes
         self._slots[start:start + data.size] = data
-        return NOTICE.pack(slot, 0, self._generation[slot], self.name.encode())
+        return NOTICE.pack(slot, 0, self._generation[slot])
 
     def close(self):
+        """Unlink the file if the peer never opened it, and give the memory back."""
         try:
-            os.unlink(self.path)  # only still there if the peer never opened it
+            os.unlink(self.path)
         except FileNotFoundError:
             pass
+        del self._ack, self._slots
+        self._map.close()
+        os.close(self._fd)
 
 
 class InLanes:
-    """The receiving ends of every lane into this rank, opened on their first notice."""
+    """The receiving ends of every lane into this rank."""
 
-    def __init__(self, nslots, slot_bytes, directory=SHM_DIR):
-        self.nslots, self.directory = nslots, directory
+    def __init__(self, nslots, slot_bytes):
+        self.nslots = nslots
         self.slot_bytes, self._ack_bytes, self._total = _layout(nslots, slot_bytes)
-        self._lanes = {}  # (src, name) -> (ack table, mapping)
+        self._lanes = {}  # src -> (ack table, mapping)
+
+    def open(self, src, path):
+        """Map the lane from rank ``src`` at ``path`` and unlink its name. Raises ``OSError``
+        or ``ValueError`` when it cannot be used."""
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise ValueError(f"{path} is not a private regular file of this user")
+            if st.st_size != self._total:
+                raise ValueError(f"{path} has {st.st_size} bytes, expected {self._total} "
+                                 f"(do the ranks agree on the segment size?)")
+            mapped = mmap.mmap(fd, self._total)
+        finally:
+            os.close(fd)
+        try:
+            os.unlink(path)  # both ends hold the mapping; the name is no longer needed
+        except FileNotFoundError:
+            pass
+        self._lanes[src] = (np.frombuffer(mapped, np.uint64, self.nslots), mapped)
 
     def take(self, src, notice, nbytes):
         """A read-only uint8 array over the segment that ``notice`` from ``src`` names.
 
         The slot is acknowledged when that array (and every view of it) is garbage.
-        Raises :class:`FrameError` for a notice that names no valid lane or slot.
+        Raises :class:`FrameError` for a notice that names no open lane or no valid slot.
         """
         if len(notice) != NOTICE.size:
             raise FrameError(f"shared-memory notice of {len(notice)} bytes, expected {NOTICE.size}")
-        slot, _, generation, raw = NOTICE.unpack(notice)
-        name = raw.rstrip(b"\0").decode("ascii", "replace")
-        if not _NAME.fullmatch(name) or slot >= self.nslots or nbytes > self.slot_bytes:
-            raise FrameError(f"bad shared-memory notice from rank {src} (lane {name!r}, slot {slot}, "
-                             f"{nbytes} bytes)")
-        ack, mapped = self._lanes.get((src, name)) or self._open(src, name)
+        slot, _, generation = NOTICE.unpack(notice)
+        lane = self._lanes.get(src)
+        if lane is None or slot >= self.nslots or nbytes > self.slot_bytes:
+            raise FrameError(f"bad shared-memory notice from rank {src} (slot {slot}, {nbytes} bytes"
+                             f"{'' if lane else ', no lane from that rank'})")
+        ack, mapped = lane
         # numpy collapses views to the array that owns the memory, so a finalizer on a
         # numpy view would fire early; a ctypes window stays the base of every array over it
         window = (ctypes.c_char * nbytes).from_buffer(mapped, self._ack_bytes + slot * self.slot_bytes)
-        weakref.finalize(window, ack.__setitem__, slot, generation)
+        # not at interpreter exit, and never in a forked child: only the process that took
+        # the slot may say it is done with it
+        weakref.finalize(window, _acknowledge, ack, slot, generation, os.getpid()).atexit = False
         view = np.frombuffer(window, np.uint8)
         view.flags.writeable = False
         return view
 
-    def _open(self, src, name):
-        path = os.path.join(self.directory, name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise FrameError(f"rank {src} named shared memory {path} that cannot be opened: {exc}") from None
-        try:
-            if os.fstat(fd).st_size != self._total:
-                raise FrameError(f"shared memory {path} from rank {src} has the wrong size")
-            mapped = mmap.mmap(fd, self._total)
-        finally:
-            os.close(fd)
-            os.unlink(path)  # both ends hold the mapping; the name is no longer needed
-        lane = (np.frombuffer(mapped, np.uint64, self.nslots), mapped)
-        self._lanes[(src, name)] = lane
-        return lane
+    def close(self):
+        mappings = [mapped for _, mapped in self._lanes.values()]
+        self._lanes.clear()  # drops the ack tables over the mappings
+        for mapped in mappings:
+            try:
+                mapped.close()
+            except BufferError:  # an array over a slot is still alive; the GC unmaps it
+                pass
+
+
+def _acknowledge(ack, slot, generation, pid):
+    if os.getpid() == pid:
+        ack[slot] = generation

@@ -14,15 +14,16 @@ ones (every segment, with the default 1 MiB segments) are copied, which measured
 Receives take ZeroMQ's buffer as it is (``copy=False``); the algorithm reduces or copies
 straight from it.
 
-Between ranks on one host (``ipc://`` peers) segments of ``SHM_MIN_BYTES`` up to one slot
-travel through shared-memory lanes instead (:mod:`.shm`): ZeroMQ carries only a notice
-naming the slot, the receiver reduces straight out of it.
+Between ranks that share a host and its ``/dev/shm``, segments of ``SHM_MIN_BYTES`` up to
+one slot travel through shared-memory lanes instead (:mod:`.shm`): ZeroMQ carries only a
+notice naming the slot, the receiver reduces straight out of it.
 
 All sockets belong to the one thread that calls this object (ZeroMQ sockets are not
 thread-safe); ``ringcomm.engine`` makes that the communication thread.
 """
 import collections
 import logging
+from dataclasses import dataclass
 import os
 import time
 
@@ -33,7 +34,7 @@ from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
 from .frame import Kind
-from .shm import InLanes, OutLane
+from .shm import SHM_DIR, InLanes, OutLane, lane_path
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +56,32 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED
                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
+@dataclass
+class LanePlan:
+    """Which peers this rank exchanges segments with through shared memory, and how."""
+
+    slots: int
+    slot_bytes: int
+    token: str   # this rank's lane-name token, published in the rendezvous table
+    peers: dict  # peer -> that peer's token
+
+
 class ZmqTransport(Transport):
     """Messages between ranks over ZeroMQ.
 
     ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r.
-    ``lanes``: ``(slots, slot_bytes)`` of the shared-memory lanes to ``ipc://`` peers, or
-    ``None`` to send everything through ZeroMQ.
+    ``lanes``: a :class:`LanePlan` for the shared-memory lanes to peers on this host (opened
+    by :meth:`open_lanes`), or ``None`` to send everything through ZeroMQ.
     """
 
     def __init__(self, rank, world_size, context, pull, endpoints, grace=1.0, close_wait=30.0,
                  cleanup=(), guard=None, lanes=None):
         super().__init__(rank, world_size)
-        self._lane_peers = set()
-        self._out_lanes = {}  # peer -> OutLane, created on the first segment sent there
-        self._in_lanes = InLanes(*lanes) if lanes else None
-        if lanes:
-            self._lane_args = lanes
-            self._lane_peers = {p for p, e in enumerate(endpoints) if p != rank and e.startswith("ipc://")}
+        self._plan = lanes
+        self._out_lanes = {}  # peer -> OutLane
+        self._in_lanes = InLanes(lanes.slots, lanes.slot_bytes) if lanes else None
+        self._lanes_in = set()   # peers whose lane into this rank is mapped
+        self._lane_errors = {}   # peer -> why its lane could not be mapped
         self._ctx, self._pull = context, pull
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
         self._guard = guard
@@ -113,22 +123,51 @@ class ZmqTransport(Transport):
 
     # -- sending -------------------------------------------------------------------------
     def send(self, dst, key, sig, payload, copy=False):
-        nbytes = memoryview(payload).nbytes
-        if dst in self._lane_peers and SHM_MIN_BYTES <= nbytes <= self._in_lanes.slot_bytes:
-            lane = self._out_lanes.get(dst) or self._open_lane(dst)
-            notice = lane.put(payload) if lane is not None else None
-            if notice is not None:
-                return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
+        lane = self._out_lanes.get(dst)
+        if lane is not None:
+            nbytes = memoryview(payload).nbytes
+            if SHM_MIN_BYTES <= nbytes <= lane.slot_bytes:
+                notice = lane.put(payload)
+                if notice is not None:
+                    return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
         return super().send(dst, key, sig, payload, copy)
 
-    def _open_lane(self, dst):
+    def open_lanes(self, deadline):
+        """Create this rank's lanes to its same-host peers, announce them (LANE), and wait
+        until every peer's lane into this rank is mapped. Raises :class:`CommError` naming
+        the peer when a lane cannot be made or mapped."""
+        plan = self._plan
+        if plan is None:
+            return
+        empty = frame.Key(0, 0, 0, 0, 0)
+        for peer in plan.peers:
+            try:
+                self._out_lanes[peer] = OutLane(lane_path(SHM_DIR, plan.token, self.rank, peer),
+                                                plan.slots, plan.slot_bytes)
+            except OSError as exc:
+                raise CommError(f"rank {self.rank} cannot create shared memory for rank {peer} in "
+                                f"{SHM_DIR}: {exc} (RINGCOMM_SHM=0 sends everything through ZeroMQ)") from None
+            self._post(peer, frame.pack(Kind.LANE, self.rank, empty, 0, bytes(16)), b"")
+        while len(self._lanes_in) < len(plan.peers):
+            if self._lane_errors:
+                peer, exc = next(iter(self._lane_errors.items()))
+                raise CommError(f"rank {self.rank} cannot map rank {peer}'s shared memory: {exc} "
+                                f"(RINGCOMM_SHM=0 sends everything through ZeroMQ)")
+            self._check_peers("opening shared-memory lanes")
+            if time.monotonic() > deadline:
+                missing = sorted(set(plan.peers) - self._lanes_in)
+                raise CommTimeout(f"rank {self.rank}: ranks {missing} never announced their shared memory")
+            self._pump(0.05)
+
+    def _map_lane(self, src):
+        """A LANE message from ``src`` arrived: map its lane now, before any notice behind it."""
+        if src not in self._plan.peers or src in self._lanes_in:
+            raise FrameError(f"unexpected LANE from rank {src}")
         try:
-            lane = self._out_lanes[dst] = OutLane(*self._lane_args)
-            return lane
-        except OSError as exc:  # e.g. a full or missing /dev/shm: ZeroMQ still works
-            log.warning("rank %d: no shared memory to rank %d (%s); using ZeroMQ", self.rank, dst, exc)
-            self._lane_peers.discard(dst)
-            return None
+            self._in_lanes.open(src, lane_path(SHM_DIR, self._plan.peers[src], src, self.rank))
+            self._lanes_in.add(src)
+        except (OSError, ValueError) as exc:
+            self._lane_errors[src] = exc
 
     def _post(self, dst, header, payload, copy=False):
         if dst in self._said_bye:
@@ -185,10 +224,13 @@ class ZmqTransport(Transport):
                 else:
                     raise FrameError(f"message of {len(parts)} frames, expected 1 or 2")
                 header = frame.unpack(head, len(payload), self.world_size, self.rank)
+                if header.kind in (Kind.SHM, Kind.LANE) and self._plan is None:
+                    raise FrameError("shared-memory message, but this rank uses no lanes")
                 if header.kind == Kind.SHM:
-                    if self._in_lanes is None:
-                        raise FrameError("shared-memory notice, but this rank has no lanes")
                     payload = self._in_lanes.take(header.src, bytes(payload), header.nbytes)
+                elif header.kind == Kind.LANE:
+                    self._map_lane(header.src)
+                    continue
             except FrameError as exc:
                 self.rejected += 1
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
@@ -250,6 +292,8 @@ class ZmqTransport(Transport):
         self._ctx.term()
         for lane in self._out_lanes.values():
             lane.close()
+        if self._in_lanes is not None:
+            self._in_lanes.close()
         for path in self._cleanup:
             try:
                 os.unlink(path)

@@ -1,5 +1,7 @@
 """Shared-memory lanes on their own, in one process: a slot carries exactly the bytes put in
-it, stays taken while any array over it lives, and bad notices are refused."""
+it, stays taken while any array over it lives (also against a forked child), bad notices
+and suspicious files are refused, and nothing is left behind."""
+import errno
 import gc
 import os
 
@@ -7,34 +9,46 @@ import numpy as np
 import pytest
 
 from ringcomm.errors import FrameError
-from ringcomm.transport.shm import NOTICE, InLanes, OutLane
+from ringcomm.transport import shm
+from ringcomm.transport.shm import NOTICE, InLanes, OutLane, lane_path
 
 pytestmark = pytest.mark.timeout(30)
 SLOT = 4096
+TOKEN = "ab" * 16
 
 
 @pytest.fixture
-def lanes(tmp_path):
-    out = OutLane(2, SLOT, directory=str(tmp_path))
-    yield out, InLanes(2, SLOT, directory=str(tmp_path)), tmp_path
+def lane(tmp_path):
+    """(sender's lane 0 -> 1, receiver's lanes with it mapped)."""
+    out = OutLane(lane_path(str(tmp_path), TOKEN, 0, 1), 2, SLOT)
+    inl = InLanes(2, SLOT)
+    inl.open(0, out.path)
+    yield out, inl
+    inl.close()
     out.close()
 
 
-def test_bytes_arrive_read_only_and_the_name_is_gone_once_opened(lanes, tmp_path):
-    out, inl, _ = lanes
+def test_bytes_arrive_read_only(lane):
+    out, inl = lane
     data = np.arange(1000, dtype=np.float32)
-    notice = out.put(data.view(np.uint8))
-    assert os.listdir(tmp_path) == [out.name]
-    got = inl.take(0, notice, data.nbytes)
-    assert os.listdir(tmp_path) == []  # nothing left behind if either process dies now
+    got = inl.take(0, out.put(data.view(np.uint8)), data.nbytes)
     np.testing.assert_array_equal(np.frombuffer(got, np.float32), data)
     assert not got.flags.writeable
     with pytest.raises(ValueError):
         np.frombuffer(got, np.float32)[0] = 1
 
 
-def test_a_slot_stays_taken_while_any_view_of_it_lives(lanes):
-    out, inl, _ = lanes
+def test_the_name_is_gone_once_opened_and_private_until_then(tmp_path):
+    out = OutLane(lane_path(str(tmp_path), TOKEN, 0, 1), 2, SLOT)
+    assert os.listdir(tmp_path) == [os.path.basename(out.path)]
+    assert os.stat(out.path).st_mode & 0o777 == 0o600  # no other user may map it
+    InLanes(2, SLOT).open(0, out.path)
+    assert os.listdir(tmp_path) == []  # nothing left behind if either process dies now
+    out.close()
+
+
+def test_a_slot_stays_taken_while_any_view_of_it_lives(lane):
+    out, inl = lane
     first = inl.take(0, out.put(np.full(SLOT, 1, np.uint8)), SLOT)
     second = inl.take(0, out.put(np.full(SLOT, 2, np.uint8)), SLOT)
     assert out.put(np.full(SLOT, 3, np.uint8)) is None  # both slots in use: fall back
@@ -53,8 +67,8 @@ def test_a_slot_stays_taken_while_any_view_of_it_lives(lanes):
     assert np.all(inl.take(0, notice, SLOT) == 4)
 
 
-def test_slots_cycle_through_many_generations(lanes):
-    out, inl, _ = lanes
+def test_slots_cycle_through_many_generations(lane):
+    out, inl = lane
     for i in range(50):
         payload = np.full(100 + i, i, np.uint8)
         got = inl.take(0, out.put(payload), payload.nbytes)
@@ -63,35 +77,62 @@ def test_slots_cycle_through_many_generations(lanes):
     assert out.fallbacks == 0
 
 
-@pytest.mark.parametrize("change", ["name", "slot", "length", "size"])
-def test_bad_notices_are_refused(lanes, change):
-    out, inl, tmp_path = lanes
-    notice = out.put(np.zeros(16, np.uint8))
-    slot, _, generation, name = NOTICE.unpack(notice)
-    nbytes = 16
-    if change == "name":
-        notice = NOTICE.pack(slot, 0, generation, b"../../etc/passwd")
-    elif change == "slot":
-        notice = NOTICE.pack(2, 0, generation, name)
+def test_a_forked_child_cannot_free_the_parents_slot(lane):
+    out, inl = lane
+    held = inl.take(0, out.put(np.full(SLOT, 7, np.uint8)), SLOT)
+    out.put(np.full(SLOT, 8, np.uint8))  # the other slot, never freed
+    pid = os.fork()
+    if pid == 0:  # drops its copy of the view, then exits the normal way
+        del held
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert out.put(np.full(SLOT, 9, np.uint8)) is None, "the child's garbage freed the parent's slot"
+    assert np.all(held == 7)
+
+
+@pytest.mark.parametrize("change", ["slot", "length", "size", "stranger"])
+def test_bad_notices_are_refused(lane, change):
+    out, inl = lane
+    notice, src, nbytes = out.put(np.zeros(16, np.uint8)), 0, 16
+    slot, _, generation = NOTICE.unpack(notice)
+    if change == "slot":
+        notice = NOTICE.pack(2, 0, generation)
     elif change == "length":
         nbytes = SLOT + 1
+    elif change == "size":
+        notice = notice + b"\0"
     else:
-        os.truncate(tmp_path / out.name, 10)
+        src = 3  # no lane from that rank
     with pytest.raises(FrameError):
-        inl.take(0, notice, nbytes)
+        inl.take(src, notice, nbytes)
 
 
-def test_a_lane_that_was_never_opened_is_removed_at_close(tmp_path):
-    out = OutLane(4, SLOT, directory=str(tmp_path))
-    assert os.listdir(tmp_path) == [out.name]
-    assert os.stat(tmp_path / out.name).st_mode & 0o777 == 0o600  # no other user may map it
+def test_a_full_dev_shm_makes_the_segment_fall_back(lane, monkeypatch):
+    out, _ = lane
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shm.os, "posix_fallocate", no_space)
+    assert out.put(np.zeros(16, np.uint8)) is None
+    assert out.fallbacks == 1
+
+
+def test_only_a_private_regular_file_of_the_right_size_is_mapped(tmp_path):
+    out = OutLane(lane_path(str(tmp_path), TOKEN, 0, 1), 2, SLOT)
+    link = tmp_path / "link"
+    link.symlink_to(out.path)
+    with pytest.raises(OSError):
+        InLanes(2, SLOT).open(0, str(link))  # never follows a symlink
+    with pytest.raises(ValueError, match="bytes"):
+        InLanes(3, SLOT).open(0, out.path)   # another slot count: another size
+    os.chmod(out.path, 0o644)
+    with pytest.raises(ValueError, match="private"):
+        InLanes(2, SLOT).open(0, out.path)
     out.close()
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == ["link"]
 
 
-def test_a_missing_lane_is_a_frame_error(tmp_path):
-    out = OutLane(1, SLOT, directory=str(tmp_path))
-    notice = out.put(np.zeros(8, np.uint8))
-    out.close()
-    with pytest.raises(FrameError, match="cannot be opened"):
-        InLanes(1, SLOT, directory=str(tmp_path)).take(0, notice, 8)
+def test_lane_names_come_only_from_tokens():
+    with pytest.raises(ValueError):
+        lane_path("/dev/shm", "../../etc/passwd", 0, 1)
