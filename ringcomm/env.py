@@ -67,6 +67,12 @@ def _int(environ, name, default=None):
     return int(match.group(1))
 
 
+def default_segment_bytes(info):
+    """The segment size when the user sets none: larger when every rank shares lanes."""
+    one_host = info.local_world_size == info.world_size and info.shared_memory and not info.force_tcp
+    return DEFAULT_LANE_SEGMENT_BYTES if one_host else DEFAULT_SEGMENT_BYTES
+
+
 def from_environ(environ=None):
     """The :class:`JobInfo` described by ``environ`` (default ``os.environ``)."""
     environ = os.environ if environ is None else environ
@@ -90,9 +96,7 @@ def from_environ(environ=None):
     info.force_tcp = environ.get("RINGCOMM_TRANSPORT", "").lower() == "tcp"
     info.shared_memory = environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
     info.shm_slots = _int(environ, "RINGCOMM_SHM_SLOTS", 4)
-    one_host = info.local_world_size == info.world_size and info.shared_memory and not info.force_tcp
-    info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES",
-                              DEFAULT_LANE_SEGMENT_BYTES if one_host else DEFAULT_SEGMENT_BYTES)
+    info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES", default_segment_bytes(info))
     info.secret = environ.get("RINGCOMM_SECRET") or hashlib.sha256(
         f"ringcomm:{info.master_addr}:{info.master_port}".encode()).hexdigest()[:32]
     info.encrypt = environ.get("RINGCOMM_ENCRYPT", "").lower() in ("1", "true", "yes", "on")

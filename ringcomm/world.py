@@ -1,6 +1,7 @@
 """Joining the job: :func:`init` builds the world communicator."""
 import atexit
 import dataclasses
+import os
 
 from . import env
 from .comm import Communicator
@@ -29,6 +30,8 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
                      master_port=master_port, timeout=timeout, segment_bytes=segment_bytes,
                      encrypt=encrypt)
     info = dataclasses.replace(info, **{k: v for k, v in overrides.items() if v is not None})
+    if segment_bytes is None and not os.environ.get("RINGCOMM_SEGMENT_BYTES"):
+        info.segment_bytes = env.default_segment_bytes(info)  # for the overridden layout
     env.validate(info)
     if info.world_size == 1:
         engine = Engine(lambda: LocalHub(1).transport(0), name="ringcomm-comm")
