@@ -17,6 +17,7 @@ import time
 from .errors import CommError, CommTimeout
 
 log = logging.getLogger(__name__)
+_DONE_LOCK = threading.Lock()  # orders Work._finish against a waiter making its Event
 
 
 class Deferred:
@@ -36,7 +37,8 @@ class Work:
 
     def __init__(self, fn, what):
         self._fn, self.what = fn, what
-        self._done = threading.Event()
+        self._done = False
+        self._event = None  # made only when someone waits before the work is done
         self._result = self._error = None
         self.started = self.finished = None  # time.perf_counter() on the communication thread
         self.inline = False  # run by the submitting thread (see Engine.submit)
@@ -58,7 +60,7 @@ class Work:
             self._error = exc
         self._fn = None
         self.finished = time.perf_counter()
-        self._done.set()
+        self._finish()
         return True
 
     def _advance(self):
@@ -71,16 +73,24 @@ class Work:
             self._error = exc
         self._fn = self._deferred = None
         self.finished = time.perf_counter()
-        self._done.set()
+        self._finish()
         return True
+
+    def _finish(self):
+        # a synchronous call run inline is done before anyone waits: no Event to make
+        with _DONE_LOCK:
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
 
     def _fail(self, exc):
         self._error = exc
-        self._done.set()
+        self._finish()
 
     def is_completed(self):
         """True once the operation finished, successfully or not."""
-        return self._done.is_set()
+        return self._done
 
     def wait(self, timeout=None):
         """Block until done (at most ``timeout`` seconds); return the result or raise its error.
@@ -88,8 +98,13 @@ class Work:
         The communicator's own deadline bounds every operation, so ``timeout=None`` never
         waits forever.
         """
-        if not self._done.wait(timeout):
-            raise CommTimeout(f"{self.what}: still running after wait(timeout={timeout})")
+        if not self._done:
+            with _DONE_LOCK:
+                if not self._done and self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if event is not None and not event.wait(timeout):
+                raise CommTimeout(f"{self.what}: still running after wait(timeout={timeout})")
         if self._error is not None:
             raise self._error
         return self._result
