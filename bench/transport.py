@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from benchlib import parse_size
-from ringcomm.transport.shm import InLanes, OutLane
+from ringcomm.transport.shm import SHM_DIR, InLanes, OutLane, lane_path, new_token
 
 SLOTS = 4
 
@@ -78,12 +78,13 @@ def _close(ctx, sock):
 def lane_rate(segment, total, repeats):
     """GB/s through a lane of ``SLOTS`` slots, the receiver reducing every segment."""
     path = os.path.join(tempfile.gettempdir(), f"ringcomm-bench-lane-{os.getpid()}.sock")
-    lane = OutLane(SLOTS, segment)
+    lane = OutLane(lane_path(SHM_DIR, new_token(), 0, 1), SLOTS, segment)
     count = total // segment
     pid = os.fork()
     if pid == 0:
         ctx, sock = _pair(path, bind=False)
         lanes = InLanes(SLOTS, segment)
+        lanes.open(0, lane.path)
         acc = np.zeros(segment // 4, np.float32)
         for _ in range(repeats):
             for _ in range(count):

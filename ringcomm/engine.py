@@ -10,6 +10,7 @@ their heavy loops, so the caller's compute overlaps the communication.
 >>> work.wait()                                    # grad now holds the sum
 """
 import logging
+import os
 import queue
 import threading
 import time
@@ -18,6 +19,14 @@ from .errors import CommError, CommTimeout
 
 log = logging.getLogger(__name__)
 _DONE_LOCK = threading.Lock()  # orders Work._finish against a waiter making its Event
+
+
+def _new_done_lock():  # a fork taken while another thread held it must not inherit it held
+    global _DONE_LOCK
+    _DONE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_done_lock)
 
 
 class Deferred:

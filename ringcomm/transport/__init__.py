@@ -26,7 +26,7 @@ def _lane_plan(info, entry, table):
     mine = entry["shm"]
     if mine is None:
         return None
-    peers = {p: e["shm"]["token"] for p, e in enumerate(table)
+    peers = {p: e["shm"].get("token") for p, e in enumerate(table)
              if p != info.rank and e["host"] == entry["host"] and isinstance(e.get("shm"), dict)
              and e["shm"].get("id") == mine["id"]}
     if not peers:

@@ -115,7 +115,9 @@ def _serve(context, world_size, master_addr, master_port, entry, settings, secre
             if hello["world_size"] != world_size:
                 problem = f"rank {r} expects world size {hello['world_size']}, rank 0 has {world_size}"
             elif hello["settings"] != settings:
-                problem = f"rank {r} has settings {hello['settings']}, rank 0 has {settings}"
+                problem = (f"rank {r} has settings {hello['settings']}, rank 0 has {settings} (every rank "
+                           f"needs the same RINGCOMM_SEGMENT_BYTES, RINGCOMM_SHM, RINGCOMM_SHM_SLOTS and "
+                           f"RINGCOMM_TRANSPORT: the segment size default follows the last ones)")
             elif not 0 < r < world_size or r in table:
                 problem = f"rank {r} joined twice or is out of range (world size {world_size})"
             if problem:

@@ -48,6 +48,7 @@ import re
 import secrets
 import stat
 import struct
+import time
 import weakref
 
 import numpy as np
@@ -94,6 +95,7 @@ class OutLane:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(self._fd, total)  # sparse: slots take memory when first reserved
+            os.posix_fallocate(self._fd, 0, self._ack_bytes)  # even a read of a hole allocates
             self._map = mmap.mmap(self._fd, total)
         except BaseException:
             os.close(self._fd)
@@ -103,7 +105,9 @@ class OutLane:
         self._slots = np.frombuffer(self._map, np.uint8, nslots * self.slot_bytes, self._ack_bytes)
         self._generation = [0] * nslots
         self._reserved = [False] * nslots
+        self._no_space_until = 0.0  # after a failed reservation, do not retry at once
         self.fallbacks = 0  # segments that found no free slot
+        self.puts = 0       # segments that went through the lane
 
     def put(self, payload):
         """Copy ``payload`` into a free slot; the notice to send, or ``None`` if none is free."""
@@ -117,15 +121,22 @@ class OutLane:
             self.fallbacks += 1
             return None
         if not self._reserved[slot]:
+            # a failing reservation on a full tmpfs first fills what is left, then gives it
+            # back: costly, so after one, segments go through ZeroMQ for a second
+            if time.monotonic() < self._no_space_until:
+                self.fallbacks += 1
+                return None
             try:
                 os.posix_fallocate(self._fd, self._ack_bytes + slot * self.slot_bytes, self.slot_bytes)
             except OSError:  # /dev/shm is full: this segment goes through ZeroMQ
+                self._no_space_until = time.monotonic() + 1.0
                 self.fallbacks += 1
                 return None
             self._reserved[slot] = True
         self._generation[slot] += 1
         start = slot * self.slot_bytes
         self._slots[start:start + data.size] = data
+        self.puts += 1
         return NOTICE.pack(slot, 0, self._generation[slot])
 
     def close(self):

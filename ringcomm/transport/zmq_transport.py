@@ -157,6 +157,10 @@ class ZmqTransport(Transport):
                 raise CommError(f"rank {self.rank} cannot map rank {peer}'s shared memory: {exc} "
                                 f"(RINGCOMM_SHM=0 sends everything through ZeroMQ)")
             self._check_peers("opening shared-memory lanes")
+            gone = (set(plan.peers) - self._lanes_in) & self._said_bye
+            if gone:
+                raise PeerLost(f"rank {self.rank}: rank {min(gone)} closed before announcing its "
+                               f"shared memory (its start-up failed)", rank=min(gone))
             if time.monotonic() > deadline:
                 missing = sorted(set(plan.peers) - self._lanes_in)
                 raise CommTimeout(f"rank {self.rank}: ranks {missing} never announced their shared memory")

@@ -35,6 +35,7 @@ def run_collectives(comm, rounds):
         out = {"all_reduce": x, "reduce_scatter": chunk, "all_gather": gathered}
     lanes = comm._engine.transport._out_lanes.values()
     out["fallbacks"] = sum(lane.fallbacks for lane in lanes)
+    out["puts"] = sum(lane.puts for lane in lanes)
     out["lanes"] = len(lanes)
     return out
 
@@ -64,6 +65,7 @@ def test_lanes_match_numpy_and_zeromq_bit_for_bit(slots):
     m = COUNT // n
     for rank, got in enumerate(results["1"]):
         assert got["lanes"] == n - 1  # one to every other rank of the host
+        assert got["puts"] > 0, "no segment went through a lane"
         if slots == "1":
             assert got["fallbacks"] > 0, "one slot per lane should have starved"
         np.testing.assert_allclose(got["all_reduce"], all_reduce, rtol=1e-5, atol=1e-4)
@@ -77,8 +79,10 @@ def test_lanes_match_numpy_and_zeromq_bit_for_bit(slots):
 
 def traffic(comm):
     comm.reset_stats()
+    lanes = comm._engine.transport._out_lanes.values()
+    before = sum(lane.puts for lane in lanes)
     comm.all_reduce(np.ones(1 << 20, np.float32), algorithm="ring")
-    return comm.stats()["bytes_sent"]
+    return comm.stats()["bytes_sent"], sum(lane.puts for lane in lanes) - before
 
 
 def test_lanes_keep_the_traffic_formula():
@@ -88,4 +92,5 @@ def test_lanes_keep_the_traffic_formula():
         sent = pool.run(traffic)
     finally:
         pool.close()
-    assert sent == [2 * (n - 1) * (4 << 20) // n] * n
+    assert [b for b, _ in sent] == [2 * (n - 1) * (4 << 20) // n] * n
+    assert all(puts == 2 * (n - 1) for _, puts in sent), "the segments did not go through lanes"

@@ -108,14 +108,33 @@ def test_bad_notices_are_refused(lane, change):
         inl.take(src, notice, nbytes)
 
 
-def test_a_full_dev_shm_makes_the_segment_fall_back(lane, monkeypatch):
+def test_a_full_dev_shm_makes_segments_fall_back_without_retrying_at_once(lane, monkeypatch):
     out, _ = lane
+    calls = []
 
     def no_space(fd, offset, length):
+        calls.append(offset)
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(shm.os, "posix_fallocate", no_space)
     assert out.put(np.zeros(16, np.uint8)) is None
-    assert out.fallbacks == 1
+    assert out.put(np.zeros(16, np.uint8)) is None
+    assert out.fallbacks == 2 and out.puts == 0
+    assert len(calls) == 1, "a failed reservation was retried at once"
+
+
+def test_the_lowest_free_slot_is_filled_first(tmp_path):
+    # a slot used a moment ago is still in the cache of both ends
+    out = OutLane(lane_path(str(tmp_path), TOKEN, 0, 1), 3, SLOT)
+    inl = InLanes(3, SLOT)
+    inl.open(0, out.path)
+    first = inl.take(0, out.put(np.zeros(8, np.uint8)), 8)
+    second = inl.take(0, out.put(np.zeros(8, np.uint8)), 8)
+    del first
+    assert NOTICE.unpack(out.put(np.zeros(8, np.uint8)))[0] == 0  # not slot 2, next in turn
+    assert out.puts == 3
+    del second
+    inl.close()
+    out.close()
 
 
 def test_only_a_private_regular_file_of_the_right_size_is_mapped(tmp_path):
