@@ -68,17 +68,18 @@ def main():
             start = time.perf_counter()
             comm.all_reduce(x, algorithm="ring")
             total.append(time.perf_counter() - start)
-        mine = np.array(SENT, np.float64)
+        timings, arrived = {k: list(v) for k, v in TIMES.items()}, list(ARRIVED)
+        mine = np.array(SENT, np.float64)  # before the all-gather below adds its own
         everyone = np.empty(comm.world_size * len(mine), np.float64)
         comm.all_gather(everyone, mine)  # every rank made the same number of sends
         if comm.rank == 0:
             # in the ring rank 0 hears only from rank n-1, and in the order it sent
             left = everyone[(comm.world_size - 1) * len(mine):]
-            hop = np.array(ARRIVED[:len(left)]) - left
+            hop = np.array(arrived[:len(left)]) - left
             med = 1e6 * np.median(total)
             print(f"all_reduce {human(size)} float32 ring, N={comm.world_size}: median {med:.0f} µs per call")
             accounted = 0.0
-            for name, values in TIMES.items():
+            for name, values in timings.items():
                 per_call = 1e6 * np.median(np.array(values).reshape(args.iters, -1).sum(1))
                 accounted += per_call
                 print(f"  {name:22s} {per_call:7.0f} µs  ({len(values) // args.iters} per call)")
