@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import tempfile
 import time
 
@@ -29,13 +30,18 @@ MAX_HELLO_BYTES = 64 * 1024
 
 
 def host_id():
-    """Identifies this host: its name and kernel boot id (ranks with equal ids share /tmp)."""
+    """Identifies this host: its name, kernel boot id and network namespace (ranks with equal
+    ids reach each other's ``ipc://`` sockets)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}/{boot}/{netns}"
 
 
 def local_ip(master_addr):
@@ -60,7 +66,10 @@ def bind_pull(context, master_addr, max_message_bytes, guard=None):
     pull.setsockopt(zmq.LINGER, 0)
     ip = local_ip(master_addr)
     port = pull.bind_to_random_port(f"tcp://{ip}")
-    path = os.path.join(tempfile.gettempdir(), f"ringcomm-{os.getpid()}-{secrets.token_hex(4)}.sock")
+    name = f"ringcomm-{os.getpid()}-{secrets.token_hex(4)}.sock"
+    # Linux's abstract socket namespace ("@name") leaves no file behind when a rank is
+    # killed; it has no file permissions either, which the job secret's handshake replaces
+    path = f"@{name}" if sys.platform.startswith("linux") else os.path.join(tempfile.gettempdir(), name)
     pull.bind(f"ipc://{path}")
     entry = {"host": host_id(), "pid": os.getpid(), "ipc": f"ipc://{path}", "tcp": f"tcp://{ip}:{port}"}
     return pull, entry

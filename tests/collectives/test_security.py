@@ -1,6 +1,9 @@
 """Strangers stay out: peer connections and the rendezvous demand the job secret, and frames
 from the network are validated before use (a bad one is dropped, never fatal)."""
+import os
 import struct
+import sys
+import tempfile
 import textwrap
 import time
 
@@ -129,3 +132,13 @@ def test_ranks_that_disagree_on_encryption_fail_clearly():
     results = spawn_job(script, 2, timeout=40)
     assert all(code != 0 for code, _, _ in results)
     assert any("refused the connection" in err for _, _, err in results), results
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets are Linux's")
+def test_ipc_sockets_leave_no_file_behind(pools):
+    """On Linux the inbound ipc socket lives in the abstract namespace: a killed rank leaves
+    nothing in /tmp (a stranger reaching it still has to prove the secret, tested above)."""
+    (local, _), _ = pools(2).run(endpoints)
+    assert local["ipc"].startswith("ipc://@ringcomm-")
+    assert not os.path.exists(local["ipc"][len("ipc://@"):])
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), local["ipc"][len("ipc://@"):]))
