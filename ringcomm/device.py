@@ -1,9 +1,10 @@
 """The device a worker owns, and how its arrays reach the wire.
 
 Words: a **host** array lives in CPU memory (numpy); a **device** array lives on the
-worker's accelerator (CuPy). ZeroMQ moves host bytes only, so a device segment is *staged*:
-copied into a **slot** — a reused page-locked ("pinned") host buffer — before it is sent, and
-a received segment is copied from the host into device memory before it is reduced there.
+worker's accelerator (CuPy). ZeroMQ and the shared-memory lanes move host bytes only, so a
+device segment is *staged*: copied into the **staging buffer** — one page-locked ("pinned")
+host buffer, allocated once — before it is sent, and a received segment is copied from the
+host into device memory before it is reduced there.
 
 Three devices share one staging path (:class:`StagedDevice`), so the code that runs on a GPU
 is the code the CPU tests exercise:
@@ -15,16 +16,15 @@ is the code the CPU tests exercise:
   while ZeroMQ's I/O thread sends slot k, this thread is already copying segment k+1.
   Received segments are copied in and reduced on the GPU.
 - :class:`EmulatedDevice` (``emulated``, for tests): numpy arrays treated as device memory,
-  with the same slots, staging calls and slot recycling as the GPU.
+  with the same staging buffer and staging calls as the GPU.
 
-A slot is copied into ZeroMQ's own buffer when sent, so it is free again at once and no slot
-waits on a send a dead peer will never complete; ``sent(slot, tracker)`` still honours a
-tracker for callers that send slots zero-copy.
+The transport copies a staged segment (into ZeroMQ's buffer or a lane's slot) before
+``send`` returns, so one staging buffer is enough and is free again at once: nothing ever
+waits on a send that a dead peer will never complete.
 
 >>> dev = select("emulated", local_rank=0)
->>> host, slot = dev.stage_out(np.arange(4.0))    # a pinned-slot copy, ready for the wire
+>>> host = dev.stage_out(np.arange(4.0))    # a copy in the pinned buffer, ready for the wire
 """
-import collections
 import os
 
 import numpy as np
@@ -41,11 +41,9 @@ class HostDevice:
         return isinstance(x, np.ndarray)
 
     def stage_out(self, array):
-        """Host bytes to send for ``array`` (flat, contiguous) and the slot they occupy."""
-        return array, None
-
-    def sent(self, slot, tracker):
-        """The transport queued ``slot``'s bytes; ``tracker`` says when ZeroMQ is done."""
+        """Host bytes to send for ``array`` (flat, contiguous); for a staged device they are
+        valid until the next call, so the caller must have them copied before that."""
+        return array
 
     def stage_in(self, host):
         """A device array holding the received host array ``host``."""
@@ -59,37 +57,23 @@ class HostDevice:
 
 
 class StagedDevice(HostDevice):
-    """Staging through reused pinned slots; subclasses move bytes between device and host."""
+    """Staging through one reused pinned buffer; subclasses move bytes between device and host."""
 
     staged = True
 
-    def __init__(self, slot_bytes=1 << 20, slots=8):
-        self.slot_bytes, self._slots = slot_bytes, collections.deque()
-        self._free = [self._pinned(slot_bytes) for _ in range(slots)]
+    def __init__(self, slot_bytes=1 << 20):
+        self.slot_bytes = slot_bytes
+        self._buffer = self._pinned(slot_bytes)
         self.copies_out = self.copies_in = 0
 
     def stage_out(self, array):
         nbytes = array.nbytes
         if nbytes > self.slot_bytes:
-            raise ValueError(f"segment of {nbytes} bytes exceeds the {self.slot_bytes}-byte staging slot")
-        slot = self._acquire()
-        host = slot[:nbytes].view(array.dtype)
+            raise ValueError(f"segment of {nbytes} bytes exceeds the {self.slot_bytes}-byte staging buffer")
+        host = self._buffer[:nbytes].view(array.dtype)
         self._to_host(array, host)
         self.copies_out += 1
-        return host, slot
-
-    def sent(self, slot, tracker):
-        if slot is not None:
-            self._slots.append((slot, tracker))
-
-    def _acquire(self):
-        """A free slot; recycles the oldest in-flight one once ZeroMQ has finished with it."""
-        if not self._free:
-            slot, tracker = self._slots.popleft()
-            if tracker is not None:
-                tracker.wait()  # bounded: the transport's own deadline covers the send
-            self._free.append(slot)
-        return self._free.pop()
+        return host
 
     def stage_in(self, host):
         self.copies_in += 1
@@ -124,13 +108,13 @@ class EmulatedDevice(StagedDevice):
 class CudaDevice(StagedDevice):
     kind = "gpu"
 
-    def __init__(self, local_rank, slot_bytes=1 << 20, slots=8):
+    def __init__(self, local_rank, slot_bytes=1 << 20):
         import cupy
         self.cupy = self.xp = cupy
         self.index = local_rank % cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(self.index).use()
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
-        super().__init__(slot_bytes, slots)
+        super().__init__(slot_bytes)
 
     def is_array(self, x):
         return isinstance(x, self.cupy.ndarray)

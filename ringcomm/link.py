@@ -44,19 +44,16 @@ class Link:
         self.dtype = np.dtype(dtype)
         self.segment_bytes = segment_bytes
         self.deadline, self.what, self.stats = deadline, what, stats
-        self.device = device  # stages device segments through pinned host slots
+        self.device = device  # stages device segments through a pinned host buffer
 
     def send(self, peer, step, segment, array):
         """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
         zero-copy: do not modify them before the collective ends."""
         key = Key(self.comm_id, self.space, self.seq, step, segment)
-        host, slot = self.device.stage_out(array)
-        # a staged slot is copied into ZeroMQ, so it is free again at once: no slot ever
-        # waits on a send that a dead peer will never complete
-        try:
-            self.transport.send(self.ranks[peer], key, self.sig, host.view(np.uint8), copy=slot is not None)
-        finally:
-            self.device.sent(slot, None)
+        host = self.device.stage_out(array)
+        # a staged segment is copied by the transport before send returns: the staging
+        # buffer is free again at once
+        self.transport.send(self.ranks[peer], key, self.sig, host.view(np.uint8), copy=self.device.staged)
         self.stats.bytes_sent += array.nbytes
         self.stats.messages_sent += 1
 
