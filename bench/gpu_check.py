@@ -57,7 +57,14 @@ def main(argv=None):
     report = {"ok": True}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
-    import cupy
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("CuPy sees no CUDA device")
+    except Exception as exc:  # noqa: BLE001 - no CuPy, no driver, no device
+        print(f"make gpu-check needs CuPy and a CUDA GPU, and this machine has none ({exc!r}); "
+              f"run it on a GPU machine (pip install 'ringcomm[gpu]')", file=sys.stderr)
+        return 2
     from ringcomm import kernels
     report["environment"] = {"cupy": cupy.__version__, "devices": cupy.cuda.runtime.getDeviceCount(),
                              "name": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
