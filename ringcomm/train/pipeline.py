@@ -188,7 +188,9 @@ class Stage:
 
     def predicted_tp_bytes(self, rows_per_step):
         m = self.cfg.micro_batches
-        return m * sum(layer.comm_bytes(rows_per_step // m, 4, first=layer.index == 0) for layer in self.layers)
+        local = self.mesh.tp_group.local if self.mesh.tp > 1 else False
+        return m * sum(layer.comm_bytes(rows_per_step // m, 4, first=layer.index == 0, local=local)
+                       for layer in self.layers)
 
     def bubble_formula(self):
         p, m = self.mesh.pp, self.cfg.micro_batches

@@ -99,16 +99,17 @@ class TPLayer:
                 tp_group.all_reduce(dh)
         return dW, db, dh
 
-    def comm_bytes(self, rows, itemsize, first):
+    def comm_bytes(self, rows, itemsize, first, local=False):
         """Bytes this tp rank sends for one micro-batch of ``rows`` samples (forward and
-        backward), by the formula of the algorithm ``auto`` picks for each all-reduce."""
+        backward), by the formula of the algorithm ``auto`` picks for each all-reduce
+        (``local``: the tp group's ranks share one host's lanes, see ``Communicator.local``)."""
         if self.tp == 1:
             return 0.0
         total = 0.0
         if self.kind == "row":
-            total += all_reduce_bytes(self.tp, rows * self.fan_out * itemsize)
+            total += all_reduce_bytes(self.tp, rows * self.fan_out * itemsize, local=local)
         elif not first:
-            total += all_reduce_bytes(self.tp, rows * self.fan_in * itemsize)
+            total += all_reduce_bytes(self.tp, rows * self.fan_in * itemsize, local=local)
         if self.kind == "column" and self.last:
             widths = [hi - lo for lo, hi in split(0, self.fan_out, self.tp)]
             total += (self.tp - 1) * rows * max(widths) * itemsize  # ring all-gather, padded

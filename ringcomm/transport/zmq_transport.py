@@ -135,6 +135,11 @@ class ZmqTransport(Transport):
                     return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
         return super().send(dst, key, sig, payload, copy)
 
+    @property
+    def lane_peers(self):
+        """The global ranks this rank exchanges segments with through shared memory."""
+        return frozenset(self._out_lanes)
+
     def open_lanes(self, deadline):
         """Create this rank's lanes to its same-host peers, announce them (LANE), and wait
         until every peer's lane into this rank is mapped. Raises :class:`CommError` naming

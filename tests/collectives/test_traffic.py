@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from ringcomm.algorithms.chunks import chunk_bounds
+from ringcomm.comm import all_reduce_bytes, auto_algorithm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,3 +92,34 @@ def test_chain_broadcast_and_reduce_bytes(pools, n, root):
 def test_ps_broadcast_bytes(pools, n):
     for rank, (sent, received) in enumerate(pools(n).run(traffic, "broadcast", "ps", 1)):
         assert (sent, received) == (((n - 1) * S, 0) if rank == 1 else (0, S))
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("nbytes", [4 << 10, 256 << 10, 4 << 20])
+def test_auto_all_reduce_on_one_host_sends_what_its_formula_says(pools, n, nbytes):
+    """Among ranks that share the host's lanes `auto` runs recursive doubling up to 1 MiB
+    (elsewhere up to 64 KiB); the formula helper follows the same rule."""
+    results = pools(n).run(auto_all_reduce_traffic, nbytes)
+    assert all(local for local, _ in results)
+    assert auto_algorithm("all_reduce", n, nbytes, True) == ("rd" if nbytes <= 1 << 20 else "ring")
+    busiest = max(sent for _, sent in results)  # the helper's figure: the busiest rank's bytes
+    assert busiest == pytest.approx(all_reduce_bytes(n, nbytes, "auto", local=True), rel=1e-3)
+    assert busiest != pytest.approx(all_reduce_bytes(n, nbytes, "auto", local=False), rel=1e-3) or \
+        nbytes <= 64 << 10 or nbytes > 1 << 20
+
+
+def auto_all_reduce_traffic(comm, nbytes):
+    comm.reset_stats()
+    comm.all_reduce(np.ones(nbytes // 4, np.float32))
+    return comm.local, comm.stats()["bytes_sent"]
+
+
+def test_auto_rule():
+    assert auto_algorithm("all_reduce", 4, 64 << 10) == "rd"
+    assert auto_algorithm("all_reduce", 4, (64 << 10) + 4) == "ring"           # across hosts
+    assert auto_algorithm("all_reduce", 4, 1 << 20, local=True) == "rd"        # one host
+    assert auto_algorithm("all_reduce", 4, (1 << 20) + 4, local=True) == "ring"
+    assert auto_algorithm("all_reduce", 1, 4, local=True) == "ring"
+    assert auto_algorithm("broadcast", 4, 64 << 10, local=True) == "ps"
+    assert auto_algorithm("broadcast", 4, 1 << 20, local=True) == "ring"
+    assert auto_algorithm("reduce_scatter", 4, 4) == "ring"

@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from harness import RankPool
 from ringcomm.train.cli import TrainConfig, train
 from ringcomm.train.pipeline import schedule
 from ringcomm.train.tensor import TPLayer
@@ -110,3 +111,25 @@ def bad_layout(comm):
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def wide_tp(comm):
+    """Activations of 64 x 512 floats (128 KiB): past the 64 KiB small-message size, within
+    the 1 MiB up to which `auto` picks recursive doubling among ranks of one host (on 4
+    ranks it sends 2S where the ring sends 1.5S, so the formula must know which ran)."""
+    doc = model_parallel(comm, tp=4, layers=(12, 512, 512, 5), batch_size=64, samples=128, steps=2)
+    return comm.local, doc["per_rank"]
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_tp_traffic_follows_autos_choice_on_and_off_lanes(shm):
+    pool = RankPool(4, env={"RINGCOMM_SHM": shm})
+    try:
+        results = pool.run(wide_tp)
+    finally:
+        pool.close()
+    for local, per_rank in results:
+        assert local is (shm == "1")
+        for row in per_rank:
+            assert row["tp_bytes_sent_per_step"] > 0
+            assert row["tp_bytes_sent_per_step"] == pytest.approx(row["tp_bytes_predicted_per_step"], rel=0.01)
