@@ -7,12 +7,12 @@ disconnection, and unless that peer said BYE first, every wait raises :class:`Pe
 naming it within ``grace`` seconds.
 
 Sends never block (no high-water mark). A message under ``ONE_FRAME_BYTES`` is one frame
-(header, then payload); a larger one two frames, so that the payload can go out zero-copy. Payloads of ``ZERO_COPY_BYTES`` or more go out
-zero-copy: ZeroMQ reads the caller's array directly, so the caller must not modify it until
-:meth:`flush` returns, which the communicator calls at the end of every collective; smaller
-ones (every segment, with the default 1 MiB segments) are copied, which measured faster.
-Receives take ZeroMQ's buffer as it is (``copy=False``); the algorithm reduces or copies
-straight from it.
+(header, then payload); a larger one two frames, so that the payload can go out zero-copy.
+Payloads of ``ZERO_COPY_BYTES`` or more go out zero-copy: ZeroMQ reads the caller's array
+directly, so the caller must not modify it until :meth:`flush` returns, which the
+communicator calls at the end of every collective; smaller ones (every segment with the
+1 MiB segments used across hosts) are copied, which measured faster. Receives take
+ZeroMQ's buffer as it is (``copy=False``); the algorithm reduces or copies straight from it.
 
 Between ranks that share a host and its ``/dev/shm``, segments of ``SHM_MIN_BYTES`` up to
 one slot travel through shared-memory lanes instead (:mod:`.shm`): ZeroMQ carries only a
@@ -23,9 +23,9 @@ thread-safe); ``ringcomm.engine`` makes that the communication thread.
 """
 import collections
 import logging
-from dataclasses import dataclass
 import os
 import time
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
