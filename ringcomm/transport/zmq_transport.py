@@ -51,6 +51,7 @@ ONE_FRAME_BYTES = 64 << 10
 SHM_MIN_BYTES = int(os.environ.get("RINGCOMM_SHM_MIN_BYTES", 32 << 10))
 # How long zero-timeout pumps may skip polling the monitor sockets (seconds).
 MONITOR_INTERVAL = 0.005
+_POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` builds an enum member each time
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -229,7 +230,7 @@ class ZmqTransport(Transport):
         pull = self._pull
         # ZMQ_EVENTS is cheaper than a failed receive's exception, but may say "readable"
         # for a pipe that turns out to hold only its end (a peer's dropped connection)
-        while pull.get(zmq.EVENTS) & zmq.POLLIN:
+        while pull.get(zmq.EVENTS) & _POLLIN:
             try:
                 parts = pull.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
