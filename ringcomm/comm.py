@@ -28,6 +28,8 @@ import numpy as np
 
 from . import signature
 from .algorithms import ps, rd, ring
+from .algorithms.choice import (  # noqa: F401 - part of this module's interface
+    LOCAL_ALL_REDUCE_RD_BYTES, SMALL_MESSAGE_BYTES, all_reduce_bytes, auto_algorithm)
 from .algorithms.chunks import segments
 from .engine import Deferred
 from .errors import CollectiveMismatch, CommError, SignatureMismatch
@@ -35,13 +37,6 @@ from .link import HOST, Link, Stats
 from .ops import parse_op
 
 ALGORITHMS = ("auto", "ring", "ps", "rd")
-SMALL_MESSAGE_BYTES = 64 * 1024  # "auto" uses few-hop schedules at or below this size
-# ... and for an all-reduce among ranks that share one host's shared-memory lanes, up to
-# this size: there bytes cost memory speed and each of the ring's 2(n-1) steps costs a
-# ZeroMQ hop (one host, 256 KiB: recursive doubling 0.36/0.56/1.05 ms against the ring's
-# 0.47/1.14/2.50 ms at N = 2/3/4; 1 MiB: 0.55/0.90/2.37 against 0.64/1.20/2.78; 4 MiB: the
-# ring is ahead)
-LOCAL_ALL_REDUCE_RD_BYTES = 1 << 20
 
 
 def _check_array(x, name, writable=True, device=None):
@@ -61,33 +56,6 @@ def _check_array(x, name, writable=True, device=None):
 def _address(a):
     """Start address of an array's data (numpy or CuPy)."""
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
-
-
-def auto_algorithm(collective, n, nbytes, local=False):
-    """What ``algorithm="auto"`` runs: few-hop schedules for small messages (recursive
-    doubling for all-reduce, the parameter server for broadcast and reduce), the ring
-    otherwise. ``local``: every rank of the group shares this host's lanes."""
-    if collective == "all_reduce" and n > 1:
-        return "rd" if nbytes <= (LOCAL_ALL_REDUCE_RD_BYTES if local else SMALL_MESSAGE_BYTES) else "ring"
-    if collective in ("broadcast", "reduce") and nbytes <= SMALL_MESSAGE_BYTES:
-        return "ps"
-    return "ring"
-
-
-def all_reduce_bytes(n, nbytes, algorithm="auto", local=False):
-    """Payload bytes one rank sends in an all-reduce of ``nbytes`` on ``n`` ranks with
-    ``algorithm`` (``auto`` resolved as :func:`auto_algorithm` does): ring 2(n−1)/n·S,
-    recursive doubling S·log2 n, parameter server (n−1)·S on the root (the busiest rank)."""
-    if n == 1:
-        return 0.0
-    if algorithm == "auto":
-        algorithm = auto_algorithm("all_reduce", n, nbytes, local)
-    if algorithm == "rd":  # log2(p) exchanges, + the hand-back to an extra rank (p < n)
-        p = 1 << (n.bit_length() - 1)
-        return nbytes * ((p.bit_length() - 1) + (p < n))
-    if algorithm == "ps":
-        return (n - 1) * nbytes
-    return 2 * (n - 1) / n * nbytes
 
 
 class Communicator:
