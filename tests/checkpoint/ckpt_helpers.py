@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -99,6 +100,11 @@ def run_train_crashing(comm, overrides, crash_step, victim):
         mine = (victim == "rank file" and comm.rank == 1 and path.endswith(".npz")) or \
                (victim == "manifest" and path.endswith(checkpoint.MANIFEST))
         if in_step and mine:
+            if victim == "rank file":  # the scenario: rank 0's file is durable first
+                other = os.path.join(os.path.dirname(path), "rank0.npz")
+                deadline = time.monotonic() + 20
+                while not os.path.exists(other) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             with open(f"{path}.tmp-{os.getpid()}", "wb") as f:
                 f.write(data[:len(data) // 2])
             os._exit(17)
