@@ -54,220 +54,23 @@ Examples::
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
-import hashlib
 import os
-import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-DEFAULT_MODULE = "ringcomm.train"
-DEFAULT_ARGS = ("--main-job",)
-DEFAULT_MULTINODE_PORT = 29500
+from .launch_config import (  # noqa: F401 - part of this module's interface
+    DEFAULT_ARGS, DEFAULT_MODULE, DEFAULT_MULTINODE_PORT, PROG, LaunchConfig, _stdout_lock, _stderr_lock,
+    _write, free_port, log, parse_args, worker_env)
+
 GRACE_PERIOD_S = 3.0
 POLL_INTERVAL_S = 0.05
 EXIT_FAILURE = 1
-PROG = "ringcomm.launch"
-
-_stdout_lock = threading.Lock()
-_stderr_lock = threading.Lock()
-
-
-def _write(stream, lock: threading.Lock, data: bytes) -> None:
-    """Write bytes to a text stream (or its binary buffer) and flush, under lock."""
-    with lock:
-        try:
-            buffer = getattr(stream, "buffer", None)
-            if buffer is not None:
-                stream.flush()
-                buffer.write(data)
-                buffer.flush()
-            else:
-                stream.write(data.decode("utf-8", errors="replace"))
-                stream.flush()
-        except (OSError, ValueError):
-            pass  # our own output is gone (closed pipe); keep draining workers
-
-
-def log(message: str) -> None:
-    """Launcher messages: one line on stderr, prefixed with the program name."""
-    _write(sys.stderr, _stderr_lock, f"{PROG}: {message}\n".encode())
-
-
-@dataclass
-class LaunchConfig:
-    nproc: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = DEFAULT_MULTINODE_PORT
-    auto_port: bool = False  # port was picked here: pick a fresh one per restart
-    max_restarts: int = 0
-    timeout: float | None = None
-    device: str | None = None
-    prefix: bool = True
-    script: str | None = None
-    module: str | None = DEFAULT_MODULE
-    args: list[str] = field(default_factory=list)
-    secret: str = ""
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc
-
-    def command(self) -> list[str]:
-        if self.module is not None:
-            return [sys.executable, "-u", "-m", self.module, *self.args]
-        return [sys.executable, "-u", self.script, *self.args]
-
-
-def free_port(addr: str) -> int:
-    """A TCP port that is free right now on ``addr`` (bind port 0, read it back)."""
-    for host in (addr, ""):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((host, 0))
-                return sock.getsockname()[1]
-        except OSError:
-            continue
-    raise RuntimeError(f"cannot find a free TCP port on {addr!r}")
-
-
-def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {PROG}", allow_abbrev=False,
-        usage="%(prog)s [options] [script.py args... | -m module args...]",
-        description=(__doc__ or "").split("\n\n")[0],
-        epilog="See the module docstring (pydoc ringcomm.launch) for details.")
-    add = parser.add_argument
-    actions = [
-        add("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc",
-            type=int, default=1, help="workers on this host (default 1)"),
-        add("--nnodes", type=int, default=1, help="hosts in the job (default 1)"),
-        add("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
-            help="index of this host (default 0)"),
-        add("--master-addr", "--master_addr", dest="master_addr",
-            help="rank 0's host (default $MASTER_ADDR or 127.0.0.1)"),
-        add("--master-port", "--master_port", dest="master_port", type=int,
-            help="default $MASTER_PORT, a free port (1 node) or 29500"),
-        add("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-            default=0, help="restart the whole group up to K times"),
-        add("--timeout", type=float, help="collective deadline (RINGCOMM_TIMEOUT)"),
-        add("--device", choices=("auto", "cpu", "gpu", "emulated"),
-            help="each worker's device: GPU LOCAL_RANK %% count (RINGCOMM_DEVICE)"),
-    ]
-    add("--no-prefix", "--no_prefix", dest="prefix", action="store_false",
-        help="do not prefix worker output with [rank R]:")
-    add("-m", dest="module", metavar="MODULE", help="run a module instead of a script")
-    takes_value = {opt for action in actions for opt in action.option_strings}
-    return parser, takes_value
-
-
-def _split_argv(argv: list[str], takes_value: set[str]) -> tuple[list[str], list[str]]:
-    """Split argv into launcher options and ``[script, args...]`` / ``[-m, module, args...]``.
-
-    Done by hand so that the worker's arguments are passed on exactly as given.
-    """
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--":
-            return argv[:i], argv[i + 1:]
-        if arg == "-m" or (arg.startswith("-m") and not arg.startswith("--")):
-            return argv[:i], argv[i:]
-        if not arg.startswith("-") or arg == "-":
-            return argv[:i], argv[i:]
-        i += 2 if arg in takes_value else 1
-    return argv, []
-
-
-def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
-    environ = os.environ if environ is None else environ
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser, takes_value = _build_parser()
-    own, rest = _split_argv(argv, takes_value)
-    ns = parser.parse_args(own)
-    script, module, args = None, DEFAULT_MODULE, list(DEFAULT_ARGS)
-    if rest and rest[0].startswith("-m"):
-        module = rest[0][2:] or (rest[1] if len(rest) > 1 else "")
-        args = rest[1:] if rest[0] != "-m" else rest[2:]
-        if not module:
-            parser.error("-m needs a module name")
-    elif rest:
-        script, module, args = rest[0], None, rest[1:]
-        if not os.path.exists(script):
-            parser.error(f"script not found: {script}")
-
-    if ns.nproc < 1 or ns.nnodes < 1:
-        parser.error("--nproc and --nnodes must be at least 1")
-    if not 0 <= ns.node_rank < ns.nnodes:
-        parser.error(f"--node-rank must be in [0, {ns.nnodes - 1}]")
-    if ns.max_restarts < 0:
-        parser.error("--max-restarts must be >= 0")
-    if ns.nnodes > 1 and ns.max_restarts > 0:
-        parser.error("--max-restarts is not supported with --nnodes > 1 yet "
-                     "(restarts cannot be coordinated across hosts)")
-    if ns.timeout is not None and ns.timeout <= 0:
-        parser.error("--timeout must be positive")
-
-    addr = ns.master_addr or environ.get("MASTER_ADDR") or "127.0.0.1"
-    port, auto_port = ns.master_port, False
-    if port is None and environ.get("MASTER_PORT"):
-        try:
-            port = int(environ["MASTER_PORT"])
-        except ValueError:
-            parser.error(f"MASTER_PORT is not a number: {environ['MASTER_PORT']!r}")
-    if port is None:
-        auto_port = ns.nnodes == 1
-        port = free_port(addr) if auto_port else DEFAULT_MULTINODE_PORT
-
-    secret = environ.get("RINGCOMM_SECRET", "")
-    if not secret and ns.nnodes == 1:
-        secret = secrets.token_hex(16)
-    elif not secret:
-        secret = hashlib.sha256(f"ringcomm:{addr}:{port}".encode()).hexdigest()[:32]
-        log("warning: RINGCOMM_SECRET is not set; using a secret derived from the "
-            "master address and port. Set RINGCOMM_SECRET (same value on every "
-            "node) to protect a multi-node job.")
-
-    return LaunchConfig(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
-                        master_addr=addr, master_port=port, auto_port=auto_port,
-                        max_restarts=ns.max_restarts, timeout=ns.timeout, device=ns.device,
-                        prefix=ns.prefix, script=script, module=module, args=args,
-                        secret=secret)
-
-
-def worker_env(cfg: LaunchConfig, local_rank: int, restart_count: int = 0,
-               base_env=None) -> dict[str, str]:
-    """The full environment of one worker."""
-    env = dict(os.environ if base_env is None else base_env)
-    env.update({
-        "RANK": str(cfg.node_rank * cfg.nproc + local_rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(cfg.world_size),
-        "LOCAL_WORLD_SIZE": str(cfg.nproc),
-        "GROUP_RANK": str(cfg.node_rank),
-        "MASTER_ADDR": cfg.master_addr,
-        "MASTER_PORT": str(cfg.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-        "RINGCOMM_RESTART_COUNT": str(restart_count),
-        "RINGCOMM_SECRET": cfg.secret,
-        "PYTHONUNBUFFERED": "1",
-    })
-    if cfg.nproc > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = "1"
-    if cfg.timeout is not None:
-        env["RINGCOMM_TIMEOUT"] = f"{cfg.timeout:g}"
-    if cfg.device is not None:
-        env["RINGCOMM_DEVICE"] = cfg.device
-    return env
 
 
 def _describe(returncode: int) -> str:
