@@ -323,7 +323,7 @@ class Communicator:
         """True when every other rank of this group shares this host's shared-memory lanes
         (then every member says so: sharing lanes is an equivalence between ranks)."""
         if self._local is None:
-            lanes = getattr(self._engine.transport, "lane_peers", frozenset())
+            lanes = self._engine.transport.lane_peers
             me = self.ranks[self.rank]
             self._local = all(r == me or r in lanes for r in self.ranks)
         return self._local

@@ -52,8 +52,7 @@ def connect(info):
                                     info.master_port, entry, settings, info.secret, info.timeout)
         endpoints = rendezvous.endpoints_for(entry, table, info.force_tcp)
         transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints, guard=guard,
-                                 cleanup=[path for path in [entry["ipc"][len("ipc://"):]]
-                                          if not path.startswith("@")],
+                                 cleanup=rendezvous.socket_files(entry),
                                  lanes=_lane_plan(info, entry, table))
         transport.local_endpoints = {"ipc": entry["ipc"], "tcp": entry["tcp"]}
         try:

@@ -15,6 +15,8 @@ from .mailbox import ABORT_SIG, NO_RANK, Mailbox, abort_code
 
 
 class Transport(ABC):
+    lane_peers = frozenset()  # ranks reached through shared memory (see .zmq_transport)
+
     def __init__(self, rank, world_size):
         self.rank = rank
         self.world_size = world_size

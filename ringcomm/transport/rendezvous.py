@@ -80,6 +80,12 @@ def endpoints_for(me, table, force_tcp=False):
     return [e["ipc"] if e["host"] == me["host"] and not force_tcp else e["tcp"] for e in table]
 
 
+def socket_files(entry):
+    """The files this rank's ``entry`` created (none for an abstract-namespace socket)."""
+    path = entry["ipc"][len("ipc://"):]
+    return [] if path.startswith("@") else [path]
+
+
 def _sign(secret, body):
     return hmac.new(secret.encode(), body, hashlib.sha256).digest()
 

@@ -85,24 +85,23 @@ def run_all_gather(comm, algorithm, todo):
     return out
 
 
-def run_broadcast(comm, algorithm, todo):
-    out = []
-    for dtype, _, count in todo:
-        for root in range(comm.world_size):
-            x = make_input(comm.rank, count, dtype, None)
-            comm.broadcast(x, root=root, algorithm=algorithm)
-            out.append(x)
-    return out
-
-
-def run_reduce(comm, algorithm, todo):
+def _every_root(comm, todo, call):
+    """``call(x, root, op)`` on this rank's input, for every case and every root."""
     out = []
     for dtype, op, count in todo:
         for root in range(comm.world_size):
             x = make_input(comm.rank, count, dtype, op)
-            comm.reduce(x, root=root, op=op, algorithm=algorithm)
+            call(x, root, op)
             out.append(x)
     return out
+
+
+def run_broadcast(comm, algorithm, todo):
+    return _every_root(comm, todo, lambda x, root, _: comm.broadcast(x, root=root, algorithm=algorithm))
+
+
+def run_reduce(comm, algorithm, todo):
+    return _every_root(comm, todo, lambda x, root, op: comm.reduce(x, root=root, op=op, algorithm=algorithm))
 
 
 # -- the tests ----------------------------------------------------------------------------

@@ -69,9 +69,14 @@ def measured(pools):
     return get
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-@pytest.mark.parametrize("strategy,offload", RUNS, ids=[s + ("+offload" if o else "") for s, o in RUNS])
-@pytest.mark.parametrize("n", [2, 4])
+def every_run(test):
+    """Parametrize ``test`` over every measured run: n, strategy (+offload), precision."""
+    test = pytest.mark.parametrize("n", [2, 4])(test)
+    test = pytest.mark.parametrize("strategy,offload", RUNS, ids=[s + ("+offload" if o else "") for s, o in RUNS])(test)
+    return pytest.mark.parametrize("precision", ["fp32", "fp16"])(test)
+
+
+@every_run
 def test_model_state_bytes_match_formula(measured, n, strategy, offload, precision):
     results = measured(n, strategy, offload, precision)
     e = 2 if precision == "fp16" else 4
@@ -138,9 +143,7 @@ def test_sgd_optimizer_bytes(measured, precision, k):
             assert 0 <= got - want < 3 * n * max(k, 1), (strategy, rank, got, float(want))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-@pytest.mark.parametrize("strategy,offload", RUNS, ids=[s + ("+offload" if o else "") for s, o in RUNS])
-@pytest.mark.parametrize("n", [2, 4])
+@every_run
 def test_bytes_sent_per_step_match_formula(measured, n, strategy, offload, precision):
     results = measured(n, strategy, offload, precision)
     e = 2 if precision == "fp16" else 4

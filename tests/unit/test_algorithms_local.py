@@ -222,11 +222,22 @@ def test_rd_folds_extra_ranks(n):
             assert steps == sorted(want)
 
 
+def _over_ring_and_ps(argnames, argvalues, ids=None):
+    """A decorator: the test for n = 1..5, each of ``argvalues``, ring and ps."""
+    def decorate(test):
+        test = pytest.mark.parametrize("n", [1, 2, 3, 4, 5])(test)
+        test = pytest.mark.parametrize(argnames, argvalues, ids=ids)(test)
+        return pytest.mark.parametrize("algorithm", ["ring", "ps"])(test)
+    return decorate
+
+
+over_reductions = _over_ring_and_ps("dtype, opname", FEWER_DTYPE_OPS, dtype_ops_ids(FEWER_DTYPE_OPS))
+over_copies = _over_ring_and_ps("dtype", [np.float32, np.float64, np.int32])
+
+
 # -- correctness: reduce-scatter, all-gather, broadcast, reduce ----------------------------------------
 
-@pytest.mark.parametrize("algorithm", ["ring", "ps"])
-@pytest.mark.parametrize("dtype, opname", FEWER_DTYPE_OPS, ids=dtype_ops_ids(FEWER_DTYPE_OPS))
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@over_reductions
 def test_reduce_scatter(n, dtype, opname, algorithm):
     op = parse_op(opname, dtype)
     for m in lengths(n):
@@ -247,9 +258,7 @@ def test_reduce_scatter(n, dtype, opname, algorithm):
             assert_matches(run.results[r], want[r * m:(r + 1) * m])
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "ps"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@over_copies
 def test_all_gather(n, dtype, algorithm):
     for m in lengths(n):
         xs = stacked(n, m, dtype, "sum")
@@ -268,9 +277,7 @@ def test_all_gather(n, dtype, algorithm):
             np.testing.assert_array_equal(run.results[r], xs.reshape(-1), strict=True)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "ps"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@over_copies
 def test_broadcast_from_every_root(n, dtype, algorithm):
     for root in range(n):
         for count in (0, 1, max(n - 1, 0), 61):
@@ -289,9 +296,7 @@ def test_broadcast_from_every_root(n, dtype, algorithm):
                 np.testing.assert_array_equal(run.results[r], xs[root], strict=True)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "ps"])
-@pytest.mark.parametrize("dtype, opname", FEWER_DTYPE_OPS, ids=dtype_ops_ids(FEWER_DTYPE_OPS))
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@over_reductions
 def test_reduce_to_every_root(n, dtype, opname, algorithm):
     op = parse_op(opname, dtype)
     for root in range(n):

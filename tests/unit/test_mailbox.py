@@ -69,19 +69,9 @@ def test_interleaved_peers_kept_apart():
     assert box.take(2, key, SIG_A) == b"from 2"
 
 
-def test_duplicates_dropped():
+@pytest.mark.parametrize("key", [Key(0, 0, 0, 0, 0), Key(0, 1, 0, 7, 0)], ids=["collective", "point-to-point"])
+def test_duplicates_dropped(key):
     box = Mailbox()
-    key = Key(0, 0, 0, 0, 0)
-    put(box, data(1, key, b"first"))
-    put(box, data(1, key, b"second"))
-    assert box.dropped == 1
-    assert box.take(1, key, SIG_A) == b"first"
-    assert box.take(1, key, SIG_A) is None
-
-
-def test_point_to_point_duplicates_dropped():
-    box = Mailbox()
-    key = Key(0, 1, 0, 7, 0)
     put(box, data(1, key, b"first"))
     put(box, data(1, key, b"second"))
     assert box.dropped == 1
