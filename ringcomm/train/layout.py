@@ -8,7 +8,8 @@ Words used by the strategies:
 - **unit**: a contiguous range of the flat buffer that is communicated as one piece, padded
   with zeros to a multiple of N. For DDP and ZeRO-1/2 a unit is a **bucket** (parameters
   collected in reverse order until the bucket size is reached; the first bucket is small so
-  that communication starts early); for ZeRO-3 a unit is one **layer** (its W and b).
+  that communication starts early); for ZeRO-3 a unit is one **layer** (the parameters it
+  is the first layer to use).
 - **shard**: rank r's 1/N slice of every unit. A rank's shard buffer is the concatenation of
   its slices of all units, so the optimizer sees one flat fp32 array per rank.
 
@@ -34,7 +35,6 @@ class Unit:
     padded: int             # length rounded up to a multiple of N
     shard_size: int         # padded / N: one rank's slice
     shard_start: int        # offset of this unit's slice within a rank's shard buffer
-    layer: int = -1         # for per-layer units
 
     @property
     def stop(self):
@@ -47,21 +47,23 @@ class Unit:
 
 
 class Layout:
-    def __init__(self, specs, world_size, unit_bytes, itemsize, per_layer=False,
+    def __init__(self, specs, world_size, unit_bytes, itemsize, layer_members=None,
                  first_bytes=FIRST_BUCKET_BYTES):
+        """``specs``: ``(name, shape)`` in model order. ``layer_members`` (ZeRO-3): per layer,
+        the indices of the parameters it uses; each parameter joins the unit of the first
+        layer that uses it. Without it, units are buckets of ``unit_bytes``."""
         self.specs, self.world_size = specs, world_size
         self.sizes = [int(np.prod(shape)) for _, shape in specs]
         self.num_params = sum(self.sizes)
         self.offsets = [0] * len(specs)
         self.units = []
         order = list(range(len(specs)))[::-1]
-        groups = self._groups(order, unit_bytes, itemsize, per_layer, first_bytes)
+        groups = self._groups(order, unit_bytes, itemsize, layer_members, first_bytes)
         offset = shard_offset = 0
         for index, members in enumerate(groups):
             length = sum(self.sizes[p] for p in members)
             padded = -(-length // world_size) * world_size if length else world_size
-            unit = Unit(index, members, offset, length, padded, padded // world_size, shard_offset,
-                        layer=members[0] // 2 if per_layer else -1)
+            unit = Unit(index, members, offset, length, padded, padded // world_size, shard_offset)
             cursor = offset
             for p in members:
                 self.offsets[p] = cursor
@@ -73,9 +75,14 @@ class Layout:
         self.shard_total = shard_offset    # length of one rank's shard buffer
         self.unit_of_param = {p: u for u in self.units for p in u.params}
 
-    def _groups(self, order, unit_bytes, itemsize, per_layer, first_bytes):
-        if per_layer:
-            return [[p for p in order if p // 2 == layer] for layer in sorted({p // 2 for p in order}, reverse=True)]
+    def _groups(self, order, unit_bytes, itemsize, layer_members, first_bytes):
+        if layer_members is not None:
+            first_use = {}
+            for layer, members in enumerate(layer_members):
+                for p in members:
+                    first_use.setdefault(p, layer)
+            groups = [[p for p in order if first_use[p] == layer] for layer in reversed(range(len(layer_members)))]
+            return [g for g in groups if g]
         groups, current, current_bytes = [], [], 0
         for p in order:
             current.append(p)

@@ -1,27 +1,29 @@
-"""What every data-parallel strategy shares: the step (forward, backward, update), mixed
-precision, loss scaling, clipping, and the replicated strategies ``single`` and ``ddp``.
+"""What every data-parallel strategy shares: the optimizer step, mixed precision, loss
+scaling and clipping, and the replicated strategies ``single``, ``ddp`` and ``dp``.
 
-A strategy decides where each piece of model state lives and what crosses the wire, through
-a few hooks called by :meth:`Strategy.step`:
+A strategy decides where each piece of model state lives and what crosses the wire inside
+the **data group** (the ranks that hold the same parameters and see different data: N of
+them, ``group``), through hooks the step (:mod:`.step`) calls:
 
 - ``layer_params(i, phase)`` / ``release_layer(i, phase)``: the parameters of layer i for
   forward or backward (ZeRO-3 gathers them here and frees them after use);
-- ``grad_ready(p, grad)``: backward produced parameter p's gradient (DDP starts a bucket's
-  all-reduce as soon as its last gradient arrives);
+- ``accumulate(p, grad, first)``: backward produced a contribution to parameter p's
+  gradient (several with micro-batches or a parameter used by two layers);
+  ``grad_done(p)``: that was the last one this step (DDP starts a bucket's all-reduce as soon
+  as its last gradient is done);
 - ``finish_backward()``: wait for gradient communication;
-- ``owned_grad32()``, ``master_pieces()``, ``write_back()``, ``publish(skipped)``: the
-  optimizer step on the state this rank owns, then sharing the result.
+- ``update(loss_share)``: the optimizer step on the state this rank owns, with the
+  overflow decision, the global gradient norm and the loss agreed by every rank of the job
+  (one all-reduce over ``meta``), then sharing the result.
 
 Every strategy's step leaves the model in exactly the state the single-process reference
 would reach, up to floating-point summation order.
 """
 import numpy as np
 
-from ..device import copy_into, to_host
-
+from ..device import array_module, copy_into, to_host
 from ..memory import predicted
 from .layout import Layout
-from .model import linear_backward, linear_forward, param_specs, softmax_cross_entropy
 from .optim import LossScaler, clip_coefficient, make_optimizer
 
 
@@ -29,76 +31,72 @@ class Strategy:
     name = "base"
     per_layer_units = False
 
-    def __init__(self, comm, meta, layers, params, cfg, registry, tracer):
-        self.comm, self.meta = comm, meta
-        self.rank, self.n = comm.rank, comm.world_size
+    def __init__(self, group, meta, side, specs, layer_members, params, cfg, registry, tracer, counted=None):
+        """``group``: the data group; ``meta``: every rank of the job and ``side``: the data
+        group again, both for the control traffic that the byte counts leave out. ``specs``: ``(name, shape)`` of this rank's parameters in model order; ``params``
+        their fp32 values; ``layer_members``: per layer, the indices of its parameters;
+        ``counted``: per parameter, whether this rank's copy counts in the global gradient
+        norm (see :func:`.models.counted`; default all)."""
+        self.comm, self.meta, self.side = group, meta, side
+        self.rank, self.n = group.rank, group.world_size
         self.cfg, self.reg, self.trace = cfg, registry, tracer
         self.xp = registry.xp  # numpy, or cupy when training on a GPU
-        self.layers = layers
-        self.nlayers = len(layers) - 1
+        self.members = layer_members
+        self.nlayers = len(layer_members)
         self.dtype = np.dtype(np.float16 if cfg.precision == "fp16" else np.float32)
         self.mixed = cfg.precision == "fp16"
-        self.layout = Layout(param_specs(layers), self.n, int(cfg.bucket_mb * 2 ** 20),
-                             self.dtype.itemsize, per_layer=self.per_layer_units)
+        self.layout = Layout(specs, self.n, int(cfg.bucket_mb * 2 ** 20), self.dtype.itemsize,
+                             layer_members=layer_members if self.per_layer_units else None)
+        self.counted = np.ones(len(specs), bool) if counted is None else np.asarray(counted, bool)
         self.scaler = LossScaler(enabled=self.mixed)
         self.optimizer_category = "optimizer_host" if cfg.offload else "optimizer"
         self.setup(params)
 
-    # -- the step ---------------------------------------------------------------------------
-    def step(self, x, y, global_batch):
-        """One training step on this rank's rows; returns the global mean loss."""
-        h = self.xp.asarray(x, dtype=self.dtype)  # the batch moves to the device here
-        y = self.xp.asarray(y)
-        acts = [h]
-        for i in range(self.nlayers):
-            W, b = self.layer_params(i, "forward")
-            with self.trace.span(f"forward L{i}"):
-                h = linear_forward(h, W, b, relu=i < self.nlayers - 1)
-            self.release_layer(i, "forward")
-            acts.append(h)
-        loss_share, d = softmax_cross_entropy(acts[-1], y, global_batch)
-        d *= self.scaler.scale
-        for i in reversed(range(self.nlayers)):
-            W, b = self.layer_params(i, "backward")
-            with self.trace.span(f"backward L{i}"):
-                dW, db, d = linear_backward(acts[i], W, acts[i + 1], d, relu=i < self.nlayers - 1,
-                                            need_dh=i > 0)
-            self.release_layer(i, "backward")
-            self.grad_ready(2 * i + 1, db)
-            self.grad_ready(2 * i, dW)
-        self.finish_backward()
-        with self.trace.span("optimizer step"):
-            skipped = self._update()
-        self.publish(skipped)
-        loss = np.array([loss_share])
-        self.meta.all_reduce(loss)
-        return float(loss[0])
-
-    def _update(self):
+    # -- the update -----------------------------------------------------------------------------
+    def update(self, loss_share):
+        """The optimizer step after :meth:`finish_backward`; returns ``(loss, skipped)``: the
+        sum of every rank's ``loss_share`` and whether the step was skipped (fp16 overflow
+        anywhere in the job)."""
         grad = self.owned_grad32()
         if grad is not None and self.cfg.offload:
             grad = to_host(grad)  # offload: the optimizer step runs on the host
-        flags = np.zeros(2)
+        flags = np.array([0.0, 0.0, loss_share])
         if grad is not None:
             if self.mixed:
                 grad /= self.scaler.scale
-            flags[0] = 0.0 if np.isfinite(grad).all() else 1.0
+            flags[0] = 0.0 if bool(array_module(grad).isfinite(grad).all()) else 1.0
             if self.cfg.clip_grad_norm and not flags[0]:
-                flags[1] = float(np.dot(grad.astype(np.float64), grad))
-        overflow, sq_norm = self.combine_flags(flags)
-        skipped = self.scaler.update(overflow > 0)
+                flags[1] = self._squared_norm(grad)
+        self.meta.all_reduce(flags)  # overflow anywhere, squared norm of every piece once, loss
+        skipped = self.scaler.update(flags[0] > 0)
         if not skipped and grad is not None:
             if self.cfg.clip_grad_norm:
-                grad *= clip_coefficient(sq_norm, self.cfg.clip_grad_norm)
+                grad *= clip_coefficient(flags[1], self.cfg.clip_grad_norm)
             self.optimizer.begin_step()
             for master, lo, hi in self.master_pieces():
                 self.optimizer.update(master, grad[lo:hi], lo)
             self.write_back()
-        return skipped
+        self.publish(skipped)
+        return float(flags[2]), skipped
 
-    def combine_flags(self, flags):
-        """(overflow, squared global gradient norm) agreed by every rank."""
-        return flags[0], flags[1]
+    def _squared_norm(self, grad):
+        """This rank's share of the squared global gradient norm: every piece counted once."""
+        xp = array_module(grad)
+        if getattr(self, "_weight", None) is None or array_module(self._weight) is not xp:
+            self._weight = xp.asarray(self.owned_weight())
+        g = grad.astype(np.float64)
+        return float(xp.dot(g * self._weight, g))
+
+    def owned_weight(self):
+        """1 where an element of :meth:`owned_grad32` counts in the global norm, else 0."""
+        lay = self.layout
+        mask = lay.pack([np.full(shape, float(c), np.float32) for (_, shape), c in zip(lay.specs, self.counted)],
+                        np.float32)
+        return self._own(mask)
+
+    def _own(self, flat):
+        """The part of a full flat buffer whose gradient this rank owns."""
+        return flat if self.rank == 0 else np.zeros_like(flat)
 
     # -- helpers for subclasses -------------------------------------------------------------
     def make_optimizer(self, size):
@@ -130,8 +128,11 @@ class Strategy:
     def release_layer(self, i, phase):
         pass
 
-    def grad_ready(self, p, grad):
+    def accumulate(self, p, grad, first):
         raise NotImplementedError
+
+    def grad_done(self, p):
+        pass
 
     def finish_backward(self):
         pass
@@ -194,10 +195,15 @@ class Replicated(Strategy):
         return True
 
     def layer_params(self, i, phase):
-        return self.params[2 * i], self.params[2 * i + 1]
+        return [self.params[p] for p in self.members[i]]
 
-    def grad_ready(self, p, grad):
-        self.grads[p][...] = grad
+    def accumulate(self, p, grad, first):
+        if first:
+            self.grads[p][...] = grad
+        else:
+            self.grads[p][...] += grad
+
+    def grad_done(self, p):
         unit = self.layout.unit_of_param[p]
         if not self._remaining:
             self._remaining = {u.index: len(u.params) for u in self.layout.units}
@@ -263,8 +269,8 @@ class ParameterServer(Replicated):
     def steps_optimizer(self):
         return self.rank == 0
 
-    def grad_ready(self, p, grad):
-        self.grads[p][...] = grad
+    def grad_done(self, p):
+        pass
 
     def finish_backward(self):
         if self.n > 1:
@@ -274,10 +280,6 @@ class ParameterServer(Replicated):
 
     def owned_grad32(self):
         return self.flat_grads.astype(np.float32) if self.rank == 0 else None
-
-    def combine_flags(self, flags):
-        self.meta.broadcast(flags, root=0)
-        return flags[0], flags[1]
 
     def publish(self, skipped):
         if self.n > 1 and not skipped:
@@ -289,7 +291,7 @@ class ParameterServer(Replicated):
         full = self.master if (self.mixed and self.rank == 0) else self.flat_params.astype(np.float32)
         if self.mixed:  # only rank 0 has the fp32 master: share it
             full = full if self.rank == 0 else np.empty(self.layout.total, np.float32)
-            self.meta.broadcast(full, root=0)
+            self.side.broadcast(full, root=0)
         return [v.astype(np.float32) for v in self.layout.views(full)]
 
     def predicted_sent_per_step(self, rank):

@@ -24,7 +24,7 @@ for a final all-gather.
 import numpy as np
 
 from ..algorithms.chunks import split
-from ..comm import all_reduce_bytes
+from ..algorithms.choice import all_reduce_bytes
 
 
 class TPLayer:
@@ -99,16 +99,17 @@ class TPLayer:
                 tp_group.all_reduce(dh)
         return dW, db, dh
 
-    def comm_bytes(self, rows, itemsize, first, local=False):
+    def comm_bytes(self, rows, itemsize, first, local=False, forward_only=False):
         """Bytes this tp rank sends for one micro-batch of ``rows`` samples (forward and
-        backward), by the formula of the algorithm ``auto`` picks for each all-reduce
-        (``local``: the tp group's ranks share one host's lanes, see ``Communicator.local``)."""
+        backward, or the forward alone), by the formula of the algorithm ``auto`` picks for
+        each all-reduce (``local``: the tp group's ranks share one host's lanes, see
+        ``Communicator.local``)."""
         if self.tp == 1:
             return 0.0
         total = 0.0
         if self.kind == "row":
             total += all_reduce_bytes(self.tp, rows * self.fan_out * itemsize, local=local)
-        elif not first:
+        elif not first and not forward_only:
             total += all_reduce_bytes(self.tp, rows * self.fan_in * itemsize, local=local)
         if self.kind == "column" and self.last:
             widths = [hi - lo for lo, hi in split(0, self.fan_out, self.tp)]

@@ -32,6 +32,8 @@ MAX_UNITS_IN_FLIGHT = 2  # stage 2+: reduce-scatters whose unit buffers may be a
 
 
 class Zero(Strategy):
+    layer_offset = 0  # model-order index of layer 0 here (pipeline stages), for trace names
+
     def __init__(self, stage, *args, **kwargs):
         self.stage = stage
         self.name = f"zero{stage}"
@@ -69,24 +71,30 @@ class Zero(Strategy):
     # -- parameters -----------------------------------------------------------------------
     def layer_params(self, i, phase):
         if not self.sharded("params"):
-            return self.params[2 * i], self.params[2 * i + 1]
-        unit = self._layer_unit(i)
-        self._gather(unit)
+            return [self.params[p] for p in self.members[i]]
+        units = self._layer_units(i)
+        for unit in units:
+            self._gather(unit)
         nxt = i + 1 if phase == "forward" else i - 1
-        if 0 <= nxt < self.nlayers:  # prefetch: the next layer's gather runs during this one
-            self._gather(self._layer_unit(nxt), wait=False)
-        buffer, work = self._gathered[unit.index]
-        if work is not None:
-            work.wait()
-            self.trace.comm(f"all_gather L{i} ({phase})", work, bytes=unit.padded * self.dtype.itemsize)
-            self._gathered[unit.index] = (buffer, None)
-        views = self.layout.unit_views(unit, buffer)
-        return views[2 * i], views[2 * i + 1]
+        if 0 <= nxt < self.nlayers:  # prefetch: the next layer's gathers run during this one
+            for unit in self._layer_units(nxt):
+                self._gather(unit)
+        views = {}
+        for unit in units:
+            buffer, work = self._gathered[unit.index]
+            if work is not None:
+                work.wait()
+                self.trace.comm(f"all_gather L{self.layer_offset + i} ({phase})", work, unit=unit.index,
+                                bytes=unit.padded * self.dtype.itemsize)
+                self._gathered[unit.index] = (buffer, None)
+            views.update(self.layout.unit_views(unit, buffer))
+        return [views[p] for p in self.members[i]]
 
-    def _layer_unit(self, i):
-        return self.layout.unit_of_param[2 * i]
+    def _layer_units(self, i):
+        units = {self.layout.unit_of_param[p].index: self.layout.unit_of_param[p] for p in self.members[i]}
+        return [units[k] for k in sorted(units)]
 
-    def _gather(self, unit, wait=True):
+    def _gather(self, unit):
         if unit.index in self._gathered:
             return
         buffer = self.reg.alloc("params", f"gathered unit {unit.index}", unit.padded, self.dtype)
@@ -96,13 +104,21 @@ class Zero(Strategy):
         self._gathered[unit.index] = (buffer, work)
 
     def release_layer(self, i, phase):
-        if self.sharded("params"):
-            unit = self._layer_unit(i)
-            self._gathered.pop(unit.index)
-            self.reg.free(f"gathered unit {unit.index}")
+        """Free layer i's gathered units, except those the next layer (already prefetched)
+        needs too."""
+        if not self.sharded("params"):
+            return
+        nxt = i + 1 if phase == "forward" else i - 1
+        keep = {u.index for u in self._layer_units(nxt)} if 0 <= nxt < self.nlayers else set()
+        for unit in self._layer_units(i):
+            if unit.index not in keep and unit.index in self._gathered:
+                buffer, work = self._gathered.pop(unit.index)
+                if work is not None:
+                    work.wait()
+                self.reg.free(f"gathered unit {unit.index}")
 
     # -- gradients --------------------------------------------------------------------------
-    def grad_ready(self, p, grad):
+    def accumulate(self, p, grad, first):
         unit = self.layout.unit_of_param[p]
         if self.sharded("grads"):
             if unit.index not in self._unit_grads:
@@ -113,9 +129,16 @@ class Zero(Strategy):
                     self._free_finished()
                 self._unit_grads[unit.index] = self.reg.alloc("grads", f"unit grads {unit.index}",
                                                               unit.padded, self.dtype)
-            self.layout.unit_views(unit, self._unit_grads[unit.index])[p][...] = grad
+            view = self.layout.unit_views(unit, self._unit_grads[unit.index])[p]
         else:
-            self.grads[p][...] = grad
+            view = self.grads[p]
+        if first:
+            view[...] = grad
+        else:
+            view[...] += grad
+
+    def grad_done(self, p):
+        unit = self.layout.unit_of_param[p]
         if not self._remaining:
             self._remaining = {u.index: len(u.params) for u in self.layout.units}
         self._remaining[unit.index] -= 1
@@ -162,9 +185,8 @@ class Zero(Strategy):
             return self.grad_shard.astype(np.float32)
         return self.layout.own_shard(self.flat_grads, self.rank).astype(np.float32)
 
-    def combine_flags(self, flags):
-        self.meta.all_reduce(flags)  # overflow anywhere; squared norm = sum over shards
-        return flags[0], flags[1]
+    def _own(self, flat):
+        return self.layout.own_shard(flat, self.rank)
 
     def master_pieces(self):
         lay = self.layout
@@ -207,12 +229,17 @@ class Zero(Strategy):
         shard = to_host(shard)
         full = np.zeros(lay.total, np.float32)
         for unit in lay.units:
-            self.meta.all_gather(full[unit.start:unit.stop], np.ascontiguousarray(lay.shard_view(shard, unit)))
+            self.side.all_gather(full[unit.start:unit.stop], np.ascontiguousarray(lay.shard_view(shard, unit)))
         return [v.copy() for v in lay.views(full)]
 
     def predicted_sent_per_step(self, rank):
+        """2(N−1)/N·Φ·e; ZeRO-3: (N−1)/N·e·(2M·Σ_layers Φ_layer + Φ), every layer gathering
+        the units it uses once in each forward and backward of each of M micro-batches."""
         phi, n, e = self.layout.num_params, self.n, self.dtype.itemsize
-        return (3 if self.sharded("params") else 2) * (n - 1) / n * phi * e
+        if not self.sharded("params"):
+            return 2 * (n - 1) / n * phi * e
+        gathered = sum(u.length for i in range(self.nlayers) for u in self._layer_units(i))
+        return (n - 1) / n * e * (2 * self.cfg.micro_batches * gathered + phi)
 
     checkpoint_kind = "shard"
 

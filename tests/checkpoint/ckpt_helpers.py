@@ -12,7 +12,8 @@ import numpy as np
 import ringcomm
 from ringcomm import checkpoint
 from ringcomm.train import strategy as strategy_module
-from ringcomm.train.cli import TrainConfig, train
+from ringcomm.train.config import TrainConfig
+from ringcomm.train.trainer import train
 from ringcomm.train.optim import LossScaler
 
 # small enough for 2 cores; bucket_mb makes 2 buckets, so units, padding and shards matter

@@ -13,7 +13,8 @@ import pytest
 
 import ringcomm
 from ringcomm.memory import CATEGORIES, device_total
-from ringcomm.train.cli import TrainConfig, load_data, parse_args, train
+from ringcomm.train.config import TrainConfig, parse_args
+from ringcomm.train.trainer import load_data, train
 from ringcomm.train.data import load_npz
 from ringcomm.train.model import init_params, param_specs
 

@@ -9,7 +9,8 @@ fp16 runs follow the fp32 loss curve closely.
 import numpy as np
 import pytest
 
-from ringcomm.train.cli import TrainConfig, train
+from ringcomm.train.config import TrainConfig
+from ringcomm.train.trainer import train
 from ringcomm.train.data import BatchOrder, synthetic
 from ringcomm.train.model import init_params, param_specs
 

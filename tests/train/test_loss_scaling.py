@@ -7,12 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm.memory import MemoryRegistry
-from ringcomm.train.cli import TrainConfig, load_data, make_strategy, train
-from ringcomm.train.data import BatchOrder, synthetic
-from ringcomm.train.model import init_params
+from ringcomm.train.config import TrainConfig
+from ringcomm.train.trainer import Job, train
+from ringcomm.train.data import synthetic
 from ringcomm.train.optim import LossScaler
-from ringcomm.train.trace import Tracer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,21 +157,17 @@ def model_state(strategy):
 
 def stepwise(comm, kw):
     """train()'s loop, step by step, recording what each step did on this rank."""
-    cfg = TrainConfig(**kw)
-    meta = comm.new_group(list(range(comm.world_size)))
-    data = load_data(cfg)
-    order = BatchOrder(len(data.x), cfg.batch_size, comm.world_size, cfg.seed)
-    strategy = make_strategy(cfg, comm, meta, init_params(cfg.layers, cfg.seed), MemoryRegistry(),
-                             Tracer(comm.rank, False))
+    job = Job(comm, TrainConfig(**kw))
+    strategy = job.strategy
     steps = []
     with np.errstate(over="ignore", invalid="ignore"):
-        for step in range(cfg.steps):
-            rows = order.local_rows(step, comm.rank)
+        for step in range(job.cfg.steps):
+            x, y = job.batch(step)
             before, skipped_before = model_state(strategy), strategy.scaler.skipped
-            loss = strategy.step(data.x[rows], data.y[rows], cfg.batch_size)
+            loss, _ = job.runner.step(x, y, job.denominator)
             steps.append({"loss": loss, "skipped": strategy.scaler.skipped > skipped_before,
                           "scale": strategy.scaler.scale, "unchanged": model_state(strategy) == before})
-    meta.close()
+    job.meta.close()
     return steps
 
 

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 import ringcomm
 from ringcomm.memory import CATEGORIES, MemoryRegistry, device_total, predicted
-from ringcomm.train.cli import TrainConfig, train
+from ringcomm.train.config import TrainConfig
+from ringcomm.train.trainer import train
 from ringcomm.train.layout import Layout
 from ringcomm.train.model import param_specs
 
@@ -292,7 +293,8 @@ def test_registry_rejects_duplicates_and_unknown_categories():
 def test_layout_invariants(widths, n, unit_bytes, itemsize, per_layer, first_bytes):
     specs = param_specs(widths)
     sizes = [int(np.prod(shape)) for _, shape in specs]
-    lay = Layout(specs, n, unit_bytes, itemsize, per_layer=per_layer, first_bytes=first_bytes)
+    members = [[2 * i, 2 * i + 1] for i in range(len(widths) - 1)] if per_layer else None
+    lay = Layout(specs, n, unit_bytes, itemsize, layer_members=members, first_bytes=first_bytes)
     # every parameter in exactly one unit, in reverse model order (backward's order)
     assert [p for u in lay.units for p in u.params] == list(range(len(specs)))[::-1]
     assert lay.num_params == sum(sizes)

@@ -8,7 +8,8 @@ computes in float32, so the tolerances are float32's.
 import numpy as np
 import pytest
 
-from ringcomm.train.cli import TrainConfig, train
+from ringcomm.train.config import TrainConfig
+from ringcomm.train.trainer import train
 from ringcomm.train.data import BatchOrder, synthetic
 from ringcomm.train.model import (init_params, linear_backward, linear_forward, param_specs,
                                   softmax_cross_entropy)

@@ -1,5 +1,5 @@
 """kernels/: every CUDA source compiles to PTX with the expected entry points; the numpy
-references compute exactly what the CPU path computes (ringcomm.ops, Strategy._update with
+references compute exactly what the CPU path computes (ringcomm.ops, Strategy.update with
 ringcomm.train.optim.Adam); ringcomm.kernels finds the sources and dispatches to the references
 on numpy arrays, and passes each kernel the arguments its PTX signature asks for."""
 import concurrent.futures
@@ -384,10 +384,12 @@ LR, BETAS, EPS = 1e-3, (0.9, 0.999), 1e-8
 
 
 def cpu_strategy(size, mixed, weight_decay, clip, master0):
-    """A one-rank Replicated strategy with just what Strategy._update touches: the real
-    _update, owned_grad32, master_pieces, write_back, LossScaler and Adam."""
+    """A one-rank Replicated strategy with just what Strategy.update touches: the real
+    update, owned_grad32, master_pieces, write_back, LossScaler and Adam."""
     s = object.__new__(Replicated)
-    s.mixed = mixed
+    s.mixed, s.rank = mixed, 0
+    s.meta = types.SimpleNamespace(all_reduce=lambda x: x)  # one rank: the sum is itself
+    s._weight = np.ones(size)  # every element counts in the norm
     s.cfg = types.SimpleNamespace(clip_grad_norm=clip, offload=False)
     s.scaler = optim.LossScaler(enabled=mixed)
     s.layout = types.SimpleNamespace(total=size)
@@ -416,7 +418,7 @@ def gradients(rng, size, steps, scale, mixed, bad_steps):
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("mixed", [True, False])
 def test_adam_step_is_strategy_update(mixed, weight_decay, clip):
-    """Several steps of reference.adam_step against Strategy._update + Adam + write_back,
+    """Several steps of reference.adam_step against Strategy.update + Adam + write_back,
     bit for bit, including overflowed steps (skipped, nothing changes, t stays)."""
     rng = np.random.default_rng([mixed, int(weight_decay * 100), clip is not None])
     size = 1031
@@ -437,7 +439,7 @@ def test_adam_step_is_strategy_update(mixed, weight_decay, clip):
         found = ref.adam_step(master, grad, m, v, LR, *BETAS, EPS, weight_decay, t + 1, scale,
                               param_out=params, clip_coef=coef)
         assert found == overflow
-        assert scaler.update(found) == cpu._update() == found
+        assert scaler.update(found) == cpu.update(0.0)[1] == found
         if found:
             assert step in bad or not np.isfinite(grad).all()
             for now, before in zip((master, m, v), snapshot):
@@ -463,7 +465,7 @@ def test_adam_step_without_check_takes_the_step_like_the_unscaled_cpu_path():
     for step, grad in enumerate(gradients(rng, size, 4, 1.0, False, bad_steps={1})):
         cpu.flat_grads[...] = grad
         with np.errstate(invalid="ignore"):
-            assert cpu._update() is False
+            assert cpu.update(0.0)[1] is False
             assert ref.adam_step(master, grad, m, v, LR, *BETAS, EPS, 0.01, step + 1, 1.0,
                                  skip_if_nonfinite=False) is False
         for ours, theirs in ((master, cpu.master), (m, cpu.optimizer.m), (v, cpu.optimizer.v)):
@@ -532,7 +534,7 @@ def test_unscale_is_the_strategy_unscale_and_check(src_dtype, poison):
     if poison is not None:
         grad[500] = poison
     scale = 2.0 ** 10
-    expected = grad.astype(np.float32)  # Strategy._update
+    expected = grad.astype(np.float32)  # Strategy.update
     expected /= scale
     overflow = not np.isfinite(expected).all()
     dst = np.empty(grad.size, np.float32)
@@ -552,7 +554,7 @@ def test_sq_norm_is_the_strategy_norm_and_the_partials_sum_to_it(dtype):
     x = (rng.standard_normal(100_003) * 300).astype(dtype)
     scale = 512.0
     if dtype != np.float64:
-        grad = x.astype(np.float32)  # Strategy._update
+        grad = x.astype(np.float32)  # Strategy.update
         grad /= scale
         assert ref.sq_norm(x, scale) == float(np.dot(grad.astype(np.float64), grad))
     total = ref.sq_norm(x, scale)

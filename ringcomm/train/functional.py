@@ -1,0 +1,88 @@
+"""The small differentiable pieces the models are built of, forward and backward by hand,
+in float32 on numpy or CuPy arrays (whichever module the inputs come from).
+
+Each ``*_forward`` returns its output and a *cache* (what its backward needs); each
+``*_backward`` takes that cache and the gradient of the output and returns the gradients of
+the inputs and parameters. Nothing here communicates.
+
+>>> y, cache = layer_norm_forward(x, w, b)           # x (..., d), w and b (d,)
+>>> dx, dw, db = layer_norm_backward(cache, dy)
+"""
+import math
+
+import numpy as np
+
+from ..device import array_module
+
+LN_EPS = 1e-5
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def f32(a):
+    """``a`` as float32, without a copy when it already is."""
+    return a.astype(np.float32, copy=False)
+
+
+def sum_rows(a):
+    """Sum over every axis but the last: the gradient of a bias broadcast over rows."""
+    return a.reshape(-1, a.shape[-1]).sum(axis=0)
+
+
+def matmul_weight_grad(x, dy):
+    """``xᵀ dy`` over all leading axes: the gradient of ``W`` in ``y = x @ W``."""
+    return x.reshape(-1, x.shape[-1]).T @ dy.reshape(-1, dy.shape[-1])
+
+
+# -- LayerNorm -----------------------------------------------------------------------------
+def layer_norm_forward(x, w, b):
+    """``(x − mean) / sqrt(var + 1e-5) · w + b`` over the last axis (biased variance)."""
+    xp = array_module(x)
+    x = f32(x)
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + LN_EPS)
+    xhat = xc * rstd
+    return xhat * f32(w) + f32(b), (xhat, rstd, w)
+
+
+def layer_norm_backward(cache, dy):
+    xhat, rstd, w = cache
+    dy = f32(dy)
+    dw = sum_rows(dy * xhat)
+    db = sum_rows(dy)
+    dxhat = dy * f32(w)
+    dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                 - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return dx, dw, db
+
+
+# -- GELU (tanh approximation, as GPT-2) ------------------------------------------------------
+def gelu_forward(u):
+    xp = array_module(u)
+    t = xp.tanh(GELU_C * (u + 0.044715 * u * u * u))
+    return 0.5 * u * (1.0 + t), (u, t)
+
+
+def gelu_backward(cache, dy):
+    u, t = cache
+    return dy * (0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * u * u))
+
+
+# -- cross-entropy ---------------------------------------------------------------------------
+def cross_entropy(logits, y, denominator):
+    """This rank's *share* of a mean cross-entropy: ``Σ −log softmax(logits)[y] / denominator``
+    over the rows here, and its gradient by ``logits``. ``logits`` is ``(..., classes)`` and
+    ``y`` the integer targets of the leading axes. Summing the shares of every rank that holds
+    a disjoint part of the global batch gives the global mean when ``denominator`` is the
+    global number of rows."""
+    xp = array_module(logits)
+    z = f32(logits).reshape(-1, logits.shape[-1])
+    z = z - z.max(axis=1, keepdims=True)
+    logsum = xp.log(xp.exp(z).sum(axis=1))
+    rows = xp.arange(z.shape[0])
+    target = xp.asarray(y).reshape(-1)
+    share = float((logsum - z[rows, target]).sum()) / denominator
+    grad = xp.exp(z - logsum[:, None])
+    grad[rows, target] -= 1.0
+    grad /= denominator
+    return share, grad.reshape(logits.shape)

@@ -1,0 +1,32 @@
+"""Peak memory of a training step as the allocator sees it.
+
+Python's ``tracemalloc`` records every allocation numpy makes for array data, so the peak
+traced during a step, above what was live when it began, is everything the step allocated
+and held at its worst moment: saved activations, gradient contributions, transient
+gradient and gather buffers of the strategy, communication copies. Model state allocated
+before the step (parameters, optimizer state, persistent gradient buffers) is in the
+baseline, and reported separately by :class:`ringcomm.memory.MemoryRegistry`.
+
+>>> watch = PeakWatch(); watch.begin(); step(); watch.end(); watch.peak   # bytes
+"""
+import tracemalloc
+
+
+class PeakWatch:
+    def __init__(self):
+        self.peak = 0          # the largest step peak, bytes
+        self._mine = False
+
+    def begin(self):
+        """Start watching a step: what is live now is the baseline, not counted."""
+        self._mine = not tracemalloc.is_tracing()
+        if self._mine:
+            tracemalloc.start(1)  # traces only what is allocated from here on
+        tracemalloc.reset_peak()
+        self._base = tracemalloc.get_traced_memory()[0]
+
+    def end(self):
+        peak = tracemalloc.get_traced_memory()[1]
+        self.peak = max(self.peak, peak - self._base)
+        if self._mine:
+            tracemalloc.stop()

@@ -1,0 +1,218 @@
+"""The training loop: one loop for every model, data-parallel strategy and layout.
+
+It composes the parts, each in its own module: the layout (:mod:`.mesh`), the model's layers
+on this rank (:mod:`.models`), the data-parallel strategy over the data group
+(:mod:`.strategy`, :mod:`.zero`), the step with its pipeline schedule (:mod:`.step`),
+checkpoints (:mod:`ringcomm.checkpoint`) and the report (:mod:`.report`).
+
+>>> document, strategy = train(comm, TrainConfig(model="gpt", cp=2, tp=2, steps=10))
+"""
+import os
+import signal
+import statistics
+import time
+
+import numpy as np
+
+from .. import checkpoint
+from ..device import to_host
+from ..memory import MemoryRegistry
+from . import corpus, data as datasets, mesh as meshes, models, report
+from .config import validate
+from .memwatch import PeakWatch
+from .model import predict
+from .step import StepRunner
+from .strategy import ParameterServer, Replicated, Single
+from .trace import Tracer
+from .zero import Zero
+
+# Test hook (fault injection), inert unless the environment variable is set: in the first
+# attempt of a launcher job (TORCHELASTIC_RESTART_COUNT == "0"), rank 1 SIGKILLs itself right
+# after step k, so that tests can check --max-restarts + --resume end where an uninterrupted
+# run ends.
+TEST_KILL_AT_STEP_ENV = "RINGCOMM_TEST_KILL_AT_STEP"
+
+
+def _test_kill_at_step(rank):
+    if rank != 1 or os.environ.get("TORCHELASTIC_RESTART_COUNT") != "0":
+        return None
+    value = os.environ.get(TEST_KILL_AT_STEP_ENV)
+    return int(value) if value else None
+
+
+def make_strategy(cfg, group, meta, side, stage, params, registry, tracer, counted=None):
+    specs = [(s.name, s.local_shape) for s in stage.local_specs()]
+    args = (group, meta, side, specs, stage.layer_members(), params, cfg, registry, tracer, counted)
+    if cfg.strategy.startswith("zero"):
+        zero = Zero(int(cfg.strategy[-1]), *args)
+        zero.layer_offset = stage.offset
+        return zero
+    return {"single": Single, "dp": ParameterServer, "ddp": Replicated}[cfg.strategy](*args)
+
+
+def load_data(cfg):
+    """The MLP's feature vectors, or the GPT's sequences (see :mod:`.corpus`)."""
+    if cfg.model == "gpt":
+        if cfg.data:
+            return corpus.load_npz(cfg.data, cfg.seq_len, cfg.vocab)
+        if cfg.vocab < 256:
+            raise ValueError(f"the default corpus is bytes: it needs --vocab >= 256, got {cfg.vocab}")
+        return corpus.stdlib_corpus(cfg.seq_len)
+    dataset = datasets.load_npz(cfg.data) if cfg.data else \
+        datasets.synthetic(cfg.layers[0], cfg.layers[-1], cfg.samples, cfg.seed)
+    if dataset.x.shape[1] != cfg.layers[0]:
+        raise ValueError(f"the data has {dataset.x.shape[1]} features but --layers starts with {cfg.layers[0]}")
+    if dataset.num_classes > cfg.layers[-1]:
+        raise ValueError(f"the data has {dataset.num_classes} classes but --layers ends with {cfg.layers[-1]}")
+    return dataset
+
+
+def array_module_for(comm):
+    """Where model state lives: cupy on a GPU worker, numpy otherwise."""
+    if comm.device == "gpu":
+        import cupy
+        return cupy
+    return np
+
+
+class Job:
+    """Everything one rank builds before the first step."""
+
+    def __init__(self, comm, cfg):
+        self.cfg = cfg = validate(cfg, comm.world_size)
+        self.rank = comm.rank
+        self.mesh = meshes.build(comm, cfg.dp, cfg.cp, cfg.pp, cfg.tp, tied=cfg.model == "gpt")
+        self.meta = comm.new_group(list(range(comm.world_size)))  # control traffic, not counted
+        self.dataset = load_data(cfg)
+        self.order = datasets.BatchOrder(len(self.dataset.x), cfg.batch_size, self.mesh.dp, cfg.seed)
+        self.xp = array_module_for(comm)
+        self.dtype = np.dtype(np.float16 if cfg.precision == "fp16" else np.float32)
+        self.stage = models.build(cfg, self.mesh, self.dtype)
+        self.counted = models.counted(self.stage, self.mesh)
+        self.registry, self.tracer = MemoryRegistry(self.xp), Tracer(comm.rank, bool(cfg.trace))
+        params = self.stage.init_local(models.full_init(cfg))
+        self.strategy = make_strategy(cfg, self.mesh.group("data"), self.meta, self.mesh.group("side"),
+                                      self.stage, params, self.registry, self.tracer, self.counted)
+        self.watch = PeakWatch()
+        self.runner = StepRunner(self.stage, self.strategy, self.mesh, cfg, self.tracer)
+        self.denominator = cfg.batch_size * self.stage.seq_len
+
+    def batch(self, step):
+        rows = self.order.local_rows(step, self.mesh.d)
+        x, y = self.stage.batch(self.dataset.x[rows], self.dataset.y[rows])
+        if self.cfg.model == "mlp":
+            return self.xp.asarray(x, dtype=self.dtype), self.xp.asarray(y)
+        return self.xp.asarray(x), self.xp.asarray(y)
+
+    def full_params(self):
+        """The whole model's fp32 parameters in model order, the same on every rank."""
+        local = [to_host(p) for p in self.strategy.full_params()]
+        if not self.cfg.model_parallel:
+            return local
+        specs = self.stage.specs
+        full = [np.zeros(s.shape, np.float32) for s in specs]
+        if self.mesh.data_rank == 0:  # tp pieces are disjoint; replicated and tied copies count once
+            for g, piece, counted in zip(self.stage.local, local, self.counted):
+                if counted:
+                    specs[g].place(full[g], piece)
+        flat = np.concatenate([f.reshape(-1) for f in full])
+        self.meta.all_reduce(flat)  # every piece placed by exactly one rank: sums are exact
+        out, offset = [], 0
+        for f in full:
+            out.append(flat[offset:offset + f.size].reshape(f.shape))
+            offset += f.size
+        return out
+
+
+def resume(job, out):
+    """Load the newest complete checkpoint for ``--resume``; the step to start from and the
+    losses so far."""
+    cfg, meta, strategy = job.cfg, job.meta, job.strategy
+    if not (cfg.resume and cfg.checkpoint_dir):
+        return 0, []
+    resumed = checkpoint.restore(meta, strategy, cfg, cfg.checkpoint_dir)
+    if meta.rank == 0:
+        if resumed is None:
+            out(f"ringcomm.train: no complete checkpoint in {cfg.checkpoint_dir}: starting from step 0")
+        else:
+            m = resumed.manifest
+            how = (f", resharded from {m['strategy']} on {m['world_size']} rank(s)" if resumed.resharded else "")
+            out(f"ringcomm.train: resuming from {resumed.path} (step {resumed.step}{how})")
+            for warning in checkpoint.check_compatible(m, cfg):
+                out(f"ringcomm.train: warning: {warning} when the checkpoint was saved")
+    if resumed is None:
+        return 0, []
+    if resumed.step > cfg.steps:
+        raise checkpoint.CheckpointError(f"{resumed.path} is at step {resumed.step}, past --steps {cfg.steps}")
+    return resumed.step, resumed.losses
+
+
+def evaluate(job, params):
+    """Held-out accuracy (MLP) or held-out loss in bits per character (GPT), computed by rank
+    0 on the fp32 model and shared."""
+    value = np.zeros(1)
+    if job.rank == 0:
+        if job.cfg.model == "mlp":
+            value[0] = float((predict(params, job.dataset.x_test) == job.dataset.y_test).mean())
+        else:
+            value[0] = corpus.bits(report.gpt_loss(job.cfg, params, job.dataset.x_test, job.dataset.y_test))
+    job.meta.broadcast(value, root=0)
+    return float(value[0])
+
+
+def train(comm, cfg, out=print):
+    """Run ``cfg`` on this rank; returns ``(metrics document, strategy)``.
+
+    The document is the same on every rank (``per_rank`` gathered everywhere); the strategy
+    holds this rank's final model state. With ``cfg.resume`` the run continues from the
+    newest complete checkpoint, and the document's losses include those before it."""
+    job = Job(comm, cfg)
+    cfg, mesh, strategy, runner = job.cfg, job.mesh, job.strategy, job.runner
+    if job.rank == 0:
+        out(report.banner(job))
+    first, losses = resume(job, out)
+    groups = report.dimension_groups(mesh)
+    for group in groups.values():
+        group.reset_stats()
+    times, idle = [], []
+    every = cfg.log_every or max(1, cfg.steps // 10)
+    save_every = cfg.checkpoint_every if cfg.checkpoint_dir else 0
+    kill_at = _test_kill_at_step(job.rank)
+    start = time.perf_counter()
+    for step in range(first, cfg.steps):
+        x, y = job.batch(step)
+        t0 = time.perf_counter()
+        job.watch.begin()
+        loss, _ = runner.step(x, y, job.denominator)
+        job.watch.end()
+        times.append(time.perf_counter() - t0)
+        idle.append(runner.idle)
+        losses.append(loss)
+        if job.rank == 0 and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+            out(report.progress(job, step, losses[-1], (step + 1 - first) / (time.perf_counter() - start)))
+        if cfg.checkpoint_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == cfg.steps):
+            path = checkpoint.save(job.meta, strategy, cfg, step + 1, losses, cfg.checkpoint_dir)
+            if job.rank == 0 and step + 1 == cfg.steps:
+                out(f"checkpoint {path}")
+        if step + 1 == kill_at:  # test hook, see _test_kill_at_step
+            os.kill(os.getpid(), signal.SIGKILL)
+    params = job.full_params()
+    quality = evaluate(job, params)
+    step_time = statistics.median(times) if times else 0.0
+    idle_fraction = sum(idle) / sum(times) if times and sum(times) else 0.0
+    per_rank = report.gather_per_rank(job, groups, len(times), step_time, idle_fraction)
+    document = report.metrics(job, losses, quality, params, per_rank)
+    document["resumed_from_step"] = first or None  # None: a run from step 0
+    if job.rank == 0:
+        out(report.summary(job, document, step_time))
+        out(report.table(job, per_rank))
+    if job.rank == 0:
+        if cfg.metrics_json:
+            report.write_json(cfg.metrics_json, document)
+        if cfg.save:
+            np.savez(cfg.save, **{s.name: p for s, p in zip(job.stage.specs, params)})
+    if cfg.trace:
+        for op, i, t0, t1 in runner.events:
+            job.tracer._add(f"{op}{i} stage {mesh.p}", 0, t0, t1, {"micro_batch": i})
+        job.tracer.write(cfg.trace)
+    return document, strategy  # meta stays open: strategy.full_params() may still use it
