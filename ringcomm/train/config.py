@@ -169,6 +169,9 @@ def validate(cfg, world_size=None):
     if cfg.strategy == "single" and world_size != 1:
         raise ValueError("--strategy single is the one-process reference; launch it with --nproc 1")
     inner = cfg.cp * cfg.pp * cfg.tp
+    if not cfg.dp and world_size % inner:
+        raise ValueError(f"--cp {cfg.cp} × --pp {cfg.pp} × --tp {cfg.tp} = {inner} does not divide "
+                         f"the world of {world_size} ranks")
     dp = cfg.dp or world_size // inner
     if dp * inner != world_size:
         raise ValueError(f"--dp {dp} × --cp {cfg.cp} × --pp {cfg.pp} × --tp {cfg.tp} = {dp * inner}, "

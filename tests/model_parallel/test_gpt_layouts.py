@@ -1,0 +1,166 @@
+"""The GPT on every layout ends where single-process training ends; traffic per dimension
+follows its formula; context parallelism and recomputation shrink activation memory.
+
+Full-batch SGD (the DESIGN's trap: the key bias's gradient is rounding noise that Adam
+would turn into lr-sized steps, so Adam runs are compared by their loss curves)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ringcomm.train.config import TrainConfig
+from ringcomm.train.corpus import stdlib_corpus
+from ringcomm.train.trainer import train
+
+pytestmark = pytest.mark.timeout(180)
+
+GPT = dict(model="gpt", n_layer=2, n_head=4, d_model=16, seq_len=16, vocab=256)
+BASE = TrainConfig(**GPT, batch_size=8, steps=3, optimizer="sgd", lr=0.5, seed=1, strategy="ddp")
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """Eight real sequences: full-batch training, so every layout sees the same batches."""
+    corpus = stdlib_corpus(16, max_bytes=1 << 16)
+    path = tmp_path_factory.mktemp("gpt") / "tokens.npz"
+    np.savez(path, x=corpus.x[:8], y=corpus.y[:8])
+    return str(path)
+
+
+def run(comm, data, save, **changes):
+    cfg = dataclasses.replace(BASE, data=data, save=save, **changes)
+    document, _ = train(comm, cfg, out=lambda *a: None)
+    return document
+
+
+def load(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.fixture(scope="module")
+def reference(pools, tokens, tmp_path_factory):
+    cache = {}
+
+    def get(**changes):
+        key = tuple(sorted(changes.items()))
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp("ref") / "p.npz")
+            doc = pools(1).run(run, tokens, path, strategy="single", **changes)[0]
+            cache[key] = doc, load(path)
+        return cache[key]
+    return get
+
+
+def rel_error(got, want):
+    return max(float(np.abs(got[k] - want[k]).max() / max(np.abs(want[k]).max(), 1e-30)) for k in want)
+
+
+LAYOUTS = {
+    2: [dict(dp=2), dict(cp=2), dict(tp=2), dict(tp=2, sp=True), dict(pp=2), dict(pp=2, micro_batches=4)],
+    4: [dict(cp=4), dict(dp=2, cp=2), dict(cp=2, tp=2), dict(dp=2, tp=2, sp=True), dict(pp=2, cp=2),
+        dict(pp=2, tp=2), dict(pp=2, tp=2, sp=True, micro_batches=2, schedule="gpipe"), dict(tp=4),
+        dict(dp=2, tp=2, strategy="zero1"), dict(dp=2, tp=2, strategy="zero2"), dict(dp=2, tp=2, strategy="zero3"),
+        dict(dp=2, cp=2, strategy="zero1"), dict(dp=2, cp=2, strategy="zero2"), dict(dp=2, cp=2, strategy="zero3"),
+        dict(dp=2, pp=2, strategy="zero1"), dict(dp=2, pp=2, strategy="zero2", micro_batches=2),
+        dict(dp=2, pp=2, strategy="zero3", micro_batches=2),
+        dict(dp=2, cp=2, strategy="zero3", offload=True), dict(dp=2, tp=2, strategy="dp")],
+}
+CASES = [(n, layout) for n, layouts in LAYOUTS.items() for layout in layouts]
+
+
+def name(case):
+    n, layout = case
+    return f"n{n}-" + ",".join(f"{k}{'' if v is True else v}" for k, v in layout.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[name(c) for c in CASES])
+def test_layout_ends_where_single_ends(pools, tokens, reference, tmp_path, case):
+    n, layout = case
+    ref_doc, ref = reference()
+    path = str(tmp_path / "p.npz")
+    docs = pools(n).run(run, tokens, path, **layout)
+    got = load(path)
+    assert list(got) == list(ref)  # every parameter, by name, in model order
+    assert rel_error(got, ref) < REL
+    np.testing.assert_allclose(docs[0]["losses"], ref_doc["losses"], rtol=REL)
+    assert all(d["param_sha256"] == docs[0]["param_sha256"] for d in docs)
+    want = {"dp": 1, "cp": 1, "pp": 1, "tp": 1, **{k: v for k, v in layout.items() if k in ("cp", "pp", "tp")}}
+    want["dp"] = layout.get("dp", n // (want["cp"] * want["pp"] * want["tp"]))
+    assert docs[0]["layout"] == want
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2, tp=2), dict(cp=2, tp=2, sp=True), dict(dp=2, pp=2, strategy="zero3")],
+                         ids=["pp2tp2", "cp2tp2sp", "dp2pp2zero3"])
+def test_clipping_by_the_global_norm_on_model_parallel_layouts(pools, tokens, reference, tmp_path, layout):
+    """Each tp shard counts once, each replicated or tied parameter once: the clipped steps
+    equal single's (the clip threshold is far below the gradient norm, so it really clips)."""
+    ref_doc, ref = reference(clip_grad_norm=0.05)
+    path = str(tmp_path / "p.npz")
+    docs = pools(4).run(run, tokens, path, clip_grad_norm=0.05, **layout)
+    assert rel_error(load(path), ref) < REL
+    np.testing.assert_allclose(docs[0]["losses"], ref_doc["losses"], rtol=REL)
+    unclipped = reference()[1]
+    assert rel_error(unclipped, ref) > 1e-2  # clipping changed the result
+
+
+@pytest.mark.parametrize("layout", [dict(cp=2, tp=2), dict(pp=2, tp=2, sp=True, micro_batches=2)], ids=["cp2tp2", "pp2tp2sp"])
+def test_adam_and_recompute_on_model_parallel_layouts(pools, tokens, reference, tmp_path, layout):
+    """Adam's loss curve matches single's; recomputation changes nothing but memory."""
+    ref_doc, _ = reference(optimizer="adam", lr=3e-3, steps=5)
+    for recompute in (False, True):
+        docs = pools(4).run(run, tokens, str(tmp_path / "p.npz"), optimizer="adam", lr=3e-3, steps=5,
+                            recompute=recompute, **layout)
+        np.testing.assert_allclose(docs[0]["losses"], ref_doc["losses"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, cp=2), dict(pp=2, tp=2), dict(dp=2, tp=2, sp=True, strategy="zero2")],
+                         ids=["dp2cp2", "pp2tp2", "dp2tp2sp-zero2"])
+def test_fp16_tracks_fp32(pools, tokens, tmp_path, layout):
+    kw = dict(optimizer="adam", lr=3e-3, steps=8, **layout)
+    fp32 = pools(4).run(run, tokens, str(tmp_path / "a.npz"), **kw)[0]
+    fp16 = pools(4).run(run, tokens, str(tmp_path / "b.npz"), precision="fp16", **kw)[0]
+    assert fp16["skipped_steps"] <= 2
+    clean = fp16["losses"][fp16["skipped_steps"]:]
+    np.testing.assert_allclose(clean, fp32["losses"][fp16["skipped_steps"]:], rtol=0.02)
+    assert fp16["losses"][-1] < fp16["losses"][0]
+
+
+TRAFFIC = [dict(cp=2, tp=2), dict(tp=4, sp=True), dict(pp=2, tp=2, micro_batches=2), dict(cp=4, recompute=True),
+           dict(dp=2, pp=2, strategy="zero3", micro_batches=2), dict(pp=2, cp=2, strategy="zero2", dp=1),
+           dict(tp=2, sp=True, pp=2, recompute=True)]
+
+
+@pytest.mark.parametrize("layout", TRAFFIC, ids=[",".join(f"{k}{v}" for k, v in t.items()) for t in TRAFFIC])
+def test_bytes_per_dimension_follow_the_formulas(pools, tokens, tmp_path, layout):
+    docs = pools(4).run(run, tokens, str(tmp_path / "p.npz"), batch_size=8, **layout)
+    for row in docs[0]["per_rank"]:
+        for dim in ("dp", "cp", "pp", "tp", "tied"):
+            got, want = row[f"{dim}_bytes_sent_per_step"], row[f"{dim}_bytes_predicted_per_step"]
+            assert got == pytest.approx(want, rel=0.01, abs=64), f"rank {row['rank']} {dim}: {got} vs {want}"
+        assert row["bytes_sent_per_step"] == pytest.approx(row["predicted_bytes_sent_per_step"], rel=0.01, abs=64)
+    used = {dim for row in docs[0]["per_rank"] for dim in ("dp", "cp", "pp", "tp")
+            if row[f"{dim}_bytes_sent_per_step"] > 0}
+    data = 4 // (layout.get("pp", 1) * layout.get("tp", 1))  # "dp" counts the data group: dp × cp
+    assert used == {dim for dim in ("cp", "pp", "tp") if layout.get(dim, 1) > 1} | ({"dp"} if data > 1 else set())
+
+
+LONG = dict(seq_len=128, d_model=16, n_head=2, n_layer=2, batch_size=4, steps=2)
+
+
+def test_context_parallel_activation_memory_falls_with_cp(pools, tmp_path_factory):
+    """Long sequences, narrow model, one data-parallel replica of the same 4 sequences on
+    C = 1, 2, 4 ranks: activations dominate a step's peak, and each cp rank holds 1/C of
+    every sequence's."""
+    corpus = stdlib_corpus(128, max_bytes=1 << 16)
+    path = tmp_path_factory.mktemp("long") / "t.npz"
+    np.savez(path, x=corpus.x[:8], y=corpus.y[:8])
+    peaks = {}
+    for cp in (1, 2, 4):
+        docs = pools(cp).run(run, str(path), str(path) + ".out.npz", cp=cp, dp=1,
+                             strategy="single" if cp == 1 else "ddp", **LONG)
+        peaks[cp] = max(r["peak_activation_bytes"] for r in docs[0]["per_rank"])
+    assert peaks[2] < 0.6 * peaks[1] and peaks[4] < 0.6 * peaks[2], peaks
+    recomputed = pools(2).run(run, str(path), str(path) + ".out.npz", cp=2, dp=1, recompute=True, **LONG)[0]
+    assert max(r["peak_activation_bytes"] for r in recomputed["per_rank"]) < 0.8 * peaks[2]
