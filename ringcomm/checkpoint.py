@@ -2,7 +2,7 @@
 ``python -m ringcomm.checkpoint``.
 
     python -m ringcomm.checkpoint list D                  # every checkpoint in D
-    python -m ringcomm.checkpoint consolidate D out.npz   # newest complete one -> fp32 W0, b0, ...
+    python -m ringcomm.checkpoint consolidate D out.npz   # newest complete one -> fp32 parameters by name
     python -m ringcomm.checkpoint consolidate D/step_000120 out.npz
 
 Format
@@ -17,10 +17,14 @@ Format
   loss scaler (``scaler_scale``, ``scaler_clean``, ``scaler_hysteresis``,
   ``scaler_skipped``), the data position ``step`` and ``seed`` (batches are a pure function of
   them, and nothing else draws random numbers after initialisation, so they are the whole
-  RNG state), the losses so far, ``rank`` and ``world_size``.
-- ``manifest.json``, written last by rank 0: strategy, world size, precision, optimizer,
-  layers, step, number of parameters, the flat layout (parameter offsets; every unit's
-  start, length, padding and shard size) and each rank file's sha256 and size.
+  RNG state), the losses so far, ``rank``, ``world_size`` and the rank's ``placement`` (a
+  JSON record as bytes, see :mod:`ringcomm.checkpoint_layout`: the mesh, the rank's
+  coordinates in it, the pieces of parameters it holds and the flat layout of its data
+  group).
+- ``manifest.json``, written last by rank 0: strategy, world size, mesh, precision,
+  optimizer, the model (MLP widths or GPT dimensions) and every parameter's name and shape,
+  step, number of parameters, rank 0's flat layout (parameter offsets; every unit's start,
+  length, padding and shard size) and each rank file's sha256 and size.
 
 Every file is written to a temporary name, flushed, fsynced and renamed, and the directory
 is fsynced. Rank 0 writes the manifest only after gathering every rank's digest, i.e. once
@@ -30,10 +34,10 @@ skips it and takes the newest complete one. After a checkpoint is complete, rank
 and the one before it and deletes the others (manifest first, so that a half-deleted
 directory is never mistaken for a complete one).
 
-Resuming with the layout it was saved with (same world size and units) loads each rank's own
-file. Otherwise (another world size, or another strategy) the state is *resharded*: the full
-fp32 master and optimizer state are rebuilt in the flat, unpadded model order from all rank
-files and every rank takes its part under its new layout. The directory must be visible to
+Resuming with the placement it was saved with (every rank placed as it is now) loads each
+rank's own file. Otherwise (another world size, strategy or mesh) the state is *resharded*:
+the whole fp32 parameters and optimizer state are assembled by name from all rank files and
+every rank cuts its pieces and packs them under its new layout. The directory must be visible to
 every rank (one host, or a shared filesystem).
 """
 import argparse
@@ -49,47 +53,11 @@ from .checkpoint_files import (  # noqa: F401 - part of this module's interface
     FORMAT, KEEP, MANIFEST, VERSION, CheckpointError, Entry, _remove_stale_temporaries, fsync_dir,
     load_npz, newest_complete, npz_bytes, prune, resolve, scan, sha256_file, step_dir, verify,
     write_durable)
+from .checkpoint_layout import Placement, assemble, decode, encode, full_flat, layout_record, local_pieces, model_order
 from .device import to_host
 
 _SCALER_KEYS = {"scale": "scaler_scale", "clean": "scaler_clean", "hysteresis": "scaler_hysteresis",
                 "skipped": "scaler_skipped"}
-
-
-# -- the layout, as recorded in the manifest --------------------------------------------------
-def layout_record(layout):
-    return {
-        "total": layout.total, "shard_total": layout.shard_total,
-        "specs": [[name, list(shape)] for name, shape in layout.specs],
-        "offsets": list(layout.offsets),
-        "units": [{"index": u.index, "params": list(u.params), "start": u.start, "length": u.length,
-                   "padded": u.padded, "shard_size": u.shard_size, "shard_start": u.shard_start}
-                  for u in layout.units],
-    }
-
-
-def _full_flat(manifest, files, key):
-    """The whole padded flat buffer of ``key`` (``master``, ``m`` or ``v``) under the saved
-    layout, from the rank files."""
-    rec, kind = manifest["layout"], manifest["kind"]
-    if kind in ("full", "server"):
-        return np.asarray(files[0][key], np.float32)
-    flat = np.zeros(rec["total"], np.float32)
-    for rank, arrays in enumerate(files):
-        shard = arrays[key]
-        for u in rec["units"]:
-            lo = u["start"] + rank * u["shard_size"]
-            flat[lo:lo + u["shard_size"]] = shard[u["shard_start"]:u["shard_start"] + u["shard_size"]]
-    return flat
-
-
-def _model_order(manifest, flat):
-    """Model-order arrays (``W0, b0, ...`` in their shapes) inside a saved flat buffer."""
-    rec = manifest["layout"]
-    out = []
-    for (_, shape), offset in zip(rec["specs"], rec["offsets"]):
-        size = int(np.prod(shape))
-        out.append(flat[offset:offset + size].reshape(shape).copy())
-    return out
 
 
 @dataclass
@@ -104,6 +72,11 @@ class FullState:
     scaler: dict
     losses: np.ndarray
 
+    def names(self):
+        """Every parameter's name, model order."""
+        specs = self.manifest.get("model_specs") or self.manifest["layout"]["specs"]
+        return [name for name, _ in specs]
+
     def flat(self, key):
         """``params``/``m``/``v`` as one flat, unpadded, model-order fp32 vector."""
         return np.concatenate([a.ravel() for a in getattr(self, key)]) if getattr(self, key) else None
@@ -114,35 +87,48 @@ def read_full(entry):
     manifest = entry.manifest
     files = [load_npz(os.path.join(entry.path, f"rank{r}.npz"), manifest["files"][f"rank{r}.npz"]["sha256"])
              for r in range(manifest["world_size"])]
-    params = _model_order(manifest, _full_flat(manifest, files, "master"))
-    adam = "m" in files[0]
-    m = _model_order(manifest, _full_flat(manifest, files, "m")) if adam else None
-    v = _model_order(manifest, _full_flat(manifest, files, "v")) if adam else None
+    if "placement" in files[0]:
+        params, m, v = (assemble(manifest["kind"], files, key) for key in ("master", "m", "v"))
+    else:  # written before placements were recorded: one data group, whole parameters
+        rec, kind = manifest["layout"], manifest["kind"]
+        params, m, v = (model_order(rec, full_flat(rec, kind, files, key)) if key in files[0] else None
+                        for key in ("master", "m", "v"))
     scaler = {k: files[0][name] for k, name in _SCALER_KEYS.items()}
     return FullState(manifest, params, m, v, int(files[0]["t"]), scaler, files[0]["losses"])
 
 
 # -- saving -------------------------------------------------------------------------------------
-def rank_arrays(strategy, step, losses, seed):
+def rank_arrays(strategy, step, losses, seed, rank, world_size):
     arrays = {k: to_host(v) for k, v in strategy.state().items()}
     arrays.update({_SCALER_KEYS[k]: value for k, value in strategy.scaler.state().items()})
     arrays.update(step=np.array(step, np.int64), seed=np.array(seed, np.int64),
-                  losses=np.array(losses, np.float64), rank=np.array(strategy.rank, np.int64),
-                  world_size=np.array(strategy.n, np.int64))
+                  losses=np.array(losses, np.float64), rank=np.array(rank, np.int64),
+                  world_size=np.array(world_size, np.int64),
+                  placement=encode(Placement.of(strategy).record(strategy.layout)))
     return arrays
 
 
 def manifest_for(strategy, cfg, step, digests):
+    placement = Placement.of(strategy)
     return {
         "format": FORMAT, "version": VERSION, "step": step,
         "strategy": strategy.name, "offload": bool(cfg.offload), "kind": strategy.checkpoint_kind,
-        "world_size": strategy.n, "precision": cfg.precision, "optimizer": cfg.optimizer,
-        "layers": list(cfg.layers), "num_params": strategy.layout.num_params,
+        "world_size": len(digests), "mesh": placement.mesh, "precision": cfg.precision,
+        "optimizer": cfg.optimizer, **model_record(cfg),
+        "model_specs": placement.model, "num_params": int(sum(np.prod(s) for _, s in placement.model)),
         "seed": cfg.seed, "batch_size": cfg.batch_size, "samples": cfg.samples, "data": cfg.data,
         "lr": cfg.lr, "bucket_mb": cfg.bucket_mb,
-        "layout": layout_record(strategy.layout),
+        "layout": layout_record(strategy.layout),  # rank 0's; every rank file has its own
         "files": {f"rank{r}.npz": {"sha256": sha, "bytes": size} for r, (sha, size) in enumerate(digests)},
     }
+
+
+def model_record(cfg):
+    """What the model is: the MLP's widths, or the GPT's dimensions."""
+    model = getattr(cfg, "model", "mlp")
+    if model == "mlp":
+        return {"model": "mlp", "layers": list(cfg.layers)}
+    return {"model": model, "gpt": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab")}}
 
 
 def save(meta, strategy, cfg, step, losses, root):
@@ -159,7 +145,7 @@ def save(meta, strategy, cfg, step, losses, root):
     mine, error = np.zeros(41, np.uint8), None
     try:
         _remove_stale_temporaries(path, [f"rank{rank}.npz"] + ([MANIFEST] if rank == 0 else []))
-        data = npz_bytes(rank_arrays(strategy, step, losses, cfg.seed))
+        data = npz_bytes(rank_arrays(strategy, step, losses, cfg.seed, rank, n))
         write_durable(os.path.join(path, f"rank{rank}.npz"), data)
         mine[:32] = np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
         mine[32:40] = np.array([len(data)], np.int64).view(np.uint8)
@@ -193,16 +179,26 @@ def save(meta, strategy, cfg, step, losses, root):
 
 
 # -- resuming -----------------------------------------------------------------------------------
-def _same_layout(manifest, strategy):
-    return (manifest["world_size"] == strategy.n and manifest["kind"] == strategy.checkpoint_kind
-            and manifest["layout"] == json.loads(json.dumps(layout_record(strategy.layout))))
+def _current(strategy):
+    """This rank's placement record as it reads back from JSON."""
+    return json.loads(json.dumps(Placement.of(strategy).record(strategy.layout), sort_keys=True))
+
+
+def _saved_as_now(manifest, strategy, n, arrays):
+    """Whether this rank's file was saved by a rank placed exactly as this one is now."""
+    if manifest["world_size"] != n or manifest["kind"] != strategy.checkpoint_kind:
+        return False
+    if "placement" in arrays:
+        return decode(arrays["placement"]) == _current(strategy)
+    return manifest["layout"] == json.loads(json.dumps(layout_record(strategy.layout)))
 
 
 def state_from_full(full, strategy):
     """This rank's ``state()`` under its own layout, cut from a :class:`FullState`."""
-    lay = strategy.layout
-    packed = {key: lay.pack(getattr(full, key), np.float32) for key in ("params", "m", "v")
-              if getattr(full, key) is not None}
+    lay, placement = strategy.layout, Placement.of(strategy)
+    names = full.names()
+    packed = {key: lay.pack(local_pieces(placement, names, getattr(full, key)), np.float32)
+              for key in ("params", "m", "v") if getattr(full, key) is not None}
     if strategy.checkpoint_kind == "shard":
         packed = {k: lay.own_shard(v, strategy.rank) for k, v in packed.items()}
     elif strategy.checkpoint_kind == "server" and strategy.rank != 0:
@@ -215,7 +211,11 @@ def state_from_full(full, strategy):
 def check_compatible(manifest, cfg):
     """Raise for a checkpoint that cannot continue ``cfg``; return warnings for settings
     that differ but can (the run then no longer replays the original one)."""
-    for key, mine in (("layers", list(cfg.layers)), ("precision", cfg.precision), ("optimizer", cfg.optimizer)):
+    saved = {"model": manifest.get("model", "mlp"), "layers": manifest.get("layers"), "gpt": manifest.get("gpt")}
+    for key, mine in model_record(cfg).items():
+        if saved[key] != mine:
+            raise CheckpointError(f"the checkpoint has {key} {saved[key]} but this run has {mine}")
+    for key, mine in (("precision", cfg.precision), ("optimizer", cfg.optimizer)):
         if manifest[key] != mine:
             raise CheckpointError(f"the checkpoint has {key} {manifest[key]} but this run has {mine}")
     return [f"{key} was {manifest[key]}, now {mine}" for key, mine in
@@ -248,27 +248,41 @@ def restore(meta, strategy, cfg, root):
     if chosen[0] < 0:
         return None
     path = step_dir(root, int(chosen[0]))
-    failed, error = np.zeros(1, np.int64), None
-    try:  # read everything first; only then may load_state communicate
+    # read everything first; only then may load_state communicate. flags: failed here,
+    # saved on another placement (then every rank reshards)
+    flags, error, arrays = np.zeros(2, np.int64), None, None
+    try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
         check_compatible(manifest, cfg)
-        if _same_layout(manifest, strategy):
-            name = f"rank{strategy.rank}.npz"
+        name = f"rank{meta.rank}.npz"
+        if manifest["world_size"] == meta.world_size:
             arrays = load_npz(os.path.join(path, name), manifest["files"][name]["sha256"])
-            state = {k: arrays[k] for k in ("master", "m", "v", "t") if k in arrays}
-            scaler = {k: arrays[name] for k, name in _SCALER_KEYS.items()}
-            losses, resharded = arrays["losses"], False
-        else:
-            full = read_full(Entry(manifest["step"], path, True, "", manifest))
-            state, scaler, losses, resharded = state_from_full(full, strategy), full.scaler, full.losses, True
+        flags[1] = arrays is None or not _saved_as_now(manifest, strategy, meta.world_size, arrays)
     except (CheckpointError, OSError, ValueError, KeyError) as e:
-        failed[0], error = 1, e
-    meta.all_reduce(failed)  # every rank raises, or none
-    if failed[0]:
+        flags[0], error = 1, e
+    meta.all_reduce(flags)  # every rank raises, or none; every rank reshards, or none
+    if flags[0]:
         if error is not None:
             raise error
         raise CheckpointError(f"another rank could not load {path}")
+    resharded = bool(flags[1])
+    if not resharded:
+        state = {k: arrays[k] for k in ("master", "m", "v", "t") if k in arrays}
+        scaler = {k: arrays[key] for k, key in _SCALER_KEYS.items()}
+        losses = arrays["losses"]
+    else:
+        failed = np.zeros(1, np.int64)
+        try:
+            full = read_full(Entry(manifest["step"], path, True, "", manifest))
+            state, scaler, losses = state_from_full(full, strategy), full.scaler, full.losses
+        except (CheckpointError, OSError, ValueError, KeyError) as e:
+            failed[0], error = 1, e
+        meta.all_reduce(failed)
+        if failed[0]:
+            if error is not None:
+                raise error
+            raise CheckpointError(f"another rank could not reshard {path}")
     strategy.load_state(state)
     strategy.scaler.load_state(scaler)
     return Resumed(int(chosen[0]), [float(x) for x in losses], path, manifest, resharded)
@@ -276,12 +290,11 @@ def restore(meta, strategy, cfg, root):
 
 # -- the command line ---------------------------------------------------------------------------
 def consolidate(path, out):
-    """Write the fp32 parameters (``W0, b0, W1, b1, ...``) of the checkpoint at ``path``
+    """Write the fp32 parameters (by name, model order) of the checkpoint at ``path``
     (a checkpoint directory, or the newest complete one under it) to ``out``."""
     entry = resolve(path)
     full = read_full(entry)
-    names = [name for name, _ in entry.manifest["layout"]["specs"]]
-    write_durable(out, npz_bytes(dict(zip(names, full.params))))
+    write_durable(out, npz_bytes(dict(zip(full.names(), full.params))))
     return entry
 
 

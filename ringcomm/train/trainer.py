@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from .. import checkpoint
+from ..checkpoint_layout import Placement
 from ..device import to_host
 from ..memory import MemoryRegistry
 from . import corpus, data as datasets, mesh as meshes, models, report
@@ -93,9 +94,19 @@ class Job:
         params = self.stage.init_local(models.full_init(cfg))
         self.strategy = make_strategy(cfg, self.mesh.group("data"), self.meta, self.mesh.group("side"),
                                       self.stage, params, self.registry, self.tracer, self.counted)
+        self.strategy.placement = self.placement()
         self.watch = PeakWatch()
         self.runner = StepRunner(self.stage, self.strategy, self.mesh, cfg, self.tracer)
         self.denominator = cfg.batch_size * self.stage.seq_len
+
+    def placement(self):
+        """Where this rank's parameters sit in the whole model, for checkpoints."""
+        mesh = self.mesh
+        return Placement({"dp": mesh.dp, "cp": mesh.cp, "pp": mesh.pp, "tp": mesh.tp},
+                         [mesh.d, mesh.c, mesh.p, mesh.t], mesh.data_rank,
+                         [[s.name, list(s.shape)] for s in models.full_specs(self.cfg)],
+                         [[s.name, s.axis, None if s.index is None else s.index.tolist()]
+                          for s in self.stage.local_specs()])
 
     def batch(self, step):
         rows = self.order.local_rows(step, self.mesh.d)
