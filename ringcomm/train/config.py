@@ -2,7 +2,9 @@
 every check of a combination in one place (:func:`validate`), run before any byte is sent.
 
 Each field carries its help text; ``--flag`` names are the field names with dashes. A
-boolean field that defaults to True becomes ``--no-<name>``.
+boolean field that defaults to True becomes ``--no-<name>``. With ``--model gpt`` the
+command line's defaults of ``--steps``, ``--batch-size`` and ``--lr`` are the GPT's
+(:data:`GPT_DEFAULTS`).
 
 >>> cfg = parse_args(["--model", "gpt", "--cp", "2", "--tp", "2"])
 >>> cfg.model, cfg.cp, cfg.tp
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field, fields
 
 MODELS = ("mlp", "gpt")
 STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "zero3")
+# the GPT's own defaults, where the command line leaves these flags out
+GPT_DEFAULTS = dict(steps=300, batch_size=64, lr=3e-3)
 MAIN_JOB = dict(strategy="zero2", precision="fp16", steps=1000, batch_size=512, layers="64,512,512,512,10",
                 lr=2e-3, samples=65536)
 
@@ -110,11 +114,15 @@ def parse_args(argv=None):
     p = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
     if args.main_job:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
         for key, value in MAIN_JOB.items():
             if key not in given:
                 setattr(args, key, _parse_widths(value) if key == "layers" else value)
+    if args.model == "gpt":
+        for key, value in GPT_DEFAULTS.items():
+            if key not in given:
+                setattr(args, key, value)
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k != "main_job"})
     try:
         validate(cfg)

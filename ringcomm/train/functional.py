@@ -1,12 +1,13 @@
 """The small differentiable pieces the models are built of, forward and backward by hand,
 in float32 on numpy or CuPy arrays (whichever module the inputs come from).
 
-Each ``*_forward`` returns its output and a *cache* (what its backward needs); each
-``*_backward`` takes that cache and the gradient of the output and returns the gradients of
-the inputs and parameters. Nothing here communicates.
+Each ``*_forward`` returns its output and a *cache* (the activations its backward needs,
+never a parameter); each ``*_backward`` takes that cache (and the parameters) and the
+gradient of the output and returns the gradients of the inputs and parameters. Nothing here
+communicates.
 
 >>> y, cache = layer_norm_forward(x, w, b)           # x (..., d), w and b (d,)
->>> dx, dw, db = layer_norm_backward(cache, dy)
+>>> dx, dw, db = layer_norm_backward(cache, w, dy)
 """
 import math
 
@@ -42,11 +43,11 @@ def layer_norm_forward(x, w, b):
     xc = x - mu
     rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + LN_EPS)
     xhat = xc * rstd
-    return xhat * f32(w) + f32(b), (xhat, rstd, w)
+    return xhat * f32(w) + f32(b), (xhat, rstd)
 
 
-def layer_norm_backward(cache, dy):
-    xhat, rstd, w = cache
+def layer_norm_backward(cache, w, dy):
+    xhat, rstd = cache
     dy = f32(dy)
     dw = sum_rows(dy * xhat)
     db = sum_rows(dy)

@@ -179,7 +179,7 @@ class Block:
         db_in = F.sum_rows(du)
         dw_in = F.matmul_weight_grad(m, du)
         dm = rg.enter_backward(du @ F.f32(w_in).T)
-        dx, dln2w, dln2b = F.layer_norm_backward(ln2, dm)
+        dx, dln2w, dln2b = F.layer_norm_backward(ln2, ln2w, dm)
         dh = dh1 + dx
         # attention: h1 = h + exit(att @ w_o) + b_o
         db_o = F.sum_rows(dh)
@@ -193,7 +193,7 @@ class Block:
         db_qkv = F.sum_rows(dqkv)
         dw_qkv = F.matmul_weight_grad(a, dqkv)
         da = rg.enter_backward(dqkv @ F.f32(w_qkv).T)
-        dx, dln1w, dln1b = F.layer_norm_backward(ln1, da)
+        dx, dln1w, dln1b = F.layer_norm_backward(ln1, ln1w, da)
         dh = dh + dx
         dln1w, dln1b, db_o, dln2w, dln2b, db_out = rg.sum_partial([dln1w, dln1b, db_o, dln2w, dln2b, db_out])
         grads = [dln1w, dln1b, dw_qkv, db_qkv, dw_o, db_o, dln2w, dln2b, dw_in, db_in, dw_out, db_out]
@@ -218,7 +218,7 @@ class Head:
         lnfw, lnfb, wte = ps
         hf, lnf = cache
         dwte = F.matmul_weight_grad(dlogits, hf)
-        dh, dlnfw, dlnfb = F.layer_norm_backward(lnf, dlogits @ F.f32(wte))
+        dh, dlnfw, dlnfb = F.layer_norm_backward(lnf, lnfw, dlogits @ F.f32(wte))
         grads = self.ctx.regions.sum_partial([dlnfw, dlnfb, dwte])
         return grads, dh.astype(self.ctx.dtype)
 

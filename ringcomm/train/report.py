@@ -6,7 +6,7 @@ import json
 import numpy as np
 
 from ..memory import CATEGORIES, device_total, predicted
-from . import traffic
+from . import activations, traffic
 from .corpus import bits
 from .gpt import GPT, Context
 from .models import gpt_shape
@@ -73,7 +73,9 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
                  for dim in DIMS},
               **{f"{dim}_bytes_predicted_per_step": formula[dim] for dim in DIMS},
               "step_time_s": step_time, "bubble_fraction": idle_fraction,
-              "bubble_formula": (p - 1) / (m + p - 1), "peak_activation_bytes": job.watch.peak}
+              "bubble_formula": (p - 1) / (m + p - 1), "peak_activation_bytes": job.watch.peak,
+              "saved_activation_bytes": job.runner.saved_peak,
+              "activation_formula_bytes": activations.predicted(cfg, mesh, job.stage, strategy.dtype.itemsize)}
     mine = np.array(list(values.values()), np.float64)
     everyone = np.empty(len(mine) * job.meta.world_size)
     job.meta.all_gather(everyone, mine)
@@ -81,7 +83,8 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
     for vec in everyone.reshape(job.meta.world_size, -1):
         v = dict(zip(values, vec))
         ints = ("rank", "d", "c", "p", "t", "num_params", "bytes_sent", "bytes_received",
-                "peak_model_state_bytes", "peak_activation_bytes")
+                "peak_model_state_bytes", "peak_activation_bytes", "saved_activation_bytes",
+                "activation_formula_bytes")
         row = {k: int(v[k]) for k in ints}
         row.update({k: float(v[k]) for k in values if k not in ints and not k.startswith(("mem_", "formula_"))})
         row["model_state_bytes"] = {c: int(v[f"mem_{c}"]) for c in CATEGORIES}
@@ -173,7 +176,8 @@ def table(job, per_rank):
                      for d in DIMS]
             lines.append(f"{r['rank']:>4} {r['d']:>2} {r['c']:>1} {r['p']:>1} {r['t']:>1} {r['num_params']:>9} "
                          + " ".join(cells)
-                         + f" {r['peak_activation_bytes'] / 1024:12.1f} {r['bubble_fraction']:5.2f} "
+                         + f" {r['saved_activation_bytes'] / 1024:9.1f}/{r['activation_formula_bytes'] / 1024:9.1f}"
+                         f" {r['peak_activation_bytes'] / 1024:9.1f} {r['bubble_fraction']:5.2f} "
                          f"{r['bubble_formula']:6.2f}")
     return "\n".join(lines)
 

@@ -31,6 +31,8 @@ from collections import Counter
 
 import numpy as np
 
+from .activations import held_bytes
+
 
 def schedule(kind, p, pp, m):
     """The order of ("F", i) / ("B", i) operations stage ``p`` of ``pp`` runs for ``m``
@@ -63,6 +65,7 @@ class StepRunner:
         self.tied = sorted(where[g] for g in model.tied)
         self.idle = 0.0           # seconds blocked on the pipeline neighbours, last step
         self.step_time = 0.0
+        self.saved_peak = 0       # the most activation bytes held between forward and backward
         self.events = []          # (op, micro-batch, start, end) of the last step
 
     # -- the step -----------------------------------------------------------------------------
@@ -71,8 +74,10 @@ class StepRunner:
         skipped)``, the global loss agreed by every rank."""
         start = time.perf_counter()
         self.idle, self.events = 0.0, []
-        xs = np.array_split(x, self.micro)
-        ys = np.array_split(y, self.micro)
+        xs, ys = np.array_split(x, self.micro), np.array_split(y, self.micro)
+        if self.micro > 1:  # each micro-batch its own array (freed once done), where it is used
+            xs = [a.copy() for a in xs] if self.mesh.first_stage else xs
+            ys = [a.copy() for a in ys] if self.mesh.last_stage else ys
         self._left = dict(self.contributions)
         self._tied_grads = {}
         self._saved, self._dout, self._shapes = {}, {}, {}
@@ -125,6 +130,7 @@ class StepRunner:
             saved.append(h if self.cfg.recompute else cache)
             h = out
         self._saved[i] = saved
+        self.saved_peak = max(self.saved_peak, held_bytes(self._saved, self._dout))
         if not mesh.last_stage:
             self._shapes[i] = h.shape
             self._send(h, mesh.p + 1, 2 * i)
@@ -132,6 +138,7 @@ class StepRunner:
         share, dlogits = self.model.loss(h, self.xp.asarray(y), denominator)
         dlogits *= self.strategy.scaler.scale
         self._dout[i] = dlogits
+        self.saved_peak = max(self.saved_peak, held_bytes(self._saved, self._dout))
         return share
 
     def _backward(self, i):

@@ -164,3 +164,21 @@ def test_context_parallel_activation_memory_falls_with_cp(pools, tmp_path_factor
     assert peaks[2] < 0.6 * peaks[1] and peaks[4] < 0.6 * peaks[2], peaks
     recomputed = pools(2).run(run, str(path), str(path) + ".out.npz", cp=2, dp=1, recompute=True, **LONG)[0]
     assert max(r["peak_activation_bytes"] for r in recomputed["per_rank"]) < 0.8 * peaks[2]
+
+
+SAVED = [dict(model="gpt", cp=2, tp=2), dict(model="gpt", tp=2, sp=True, pp=2, micro_batches=2),
+         dict(model="gpt", pp=4, micro_batches=4, schedule="gpipe"), dict(model="gpt", pp=4, micro_batches=4),
+         dict(model="gpt", cp=2, pp=2, recompute=True), dict(model="gpt", dp=4, precision="fp16", recompute=True),
+         dict(model="mlp", tp=2, pp=2, micro_batches=2), dict(model="mlp", pp=4, micro_batches=4, recompute=True)]
+
+
+@pytest.mark.parametrize("layout", SAVED, ids=[",".join(f"{k}{v}" for k, v in t.items()) for t in SAVED])
+def test_saved_activations_match_the_formula(pools, tokens, tmp_path, layout):
+    """The arrays a stage holds between forward and backward, counted, equal the formula
+    (ringcomm.train.activations); the traced peak of a step covers them."""
+    gpt = layout["model"] == "gpt"
+    changes = dict(layout, batch_size=8) if gpt else dict(layout, layers=(12, 20, 16, 14, 5), batch_size=48, samples=96)
+    docs = pools(4).run(run, tokens if gpt else None, str(tmp_path / "p.npz"), **changes)
+    for row in docs[0]["per_rank"]:
+        assert row["saved_activation_bytes"] == row["activation_formula_bytes"] > 0, row["rank"]
+        assert row["peak_activation_bytes"] >= row["saved_activation_bytes"]

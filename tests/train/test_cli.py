@@ -354,3 +354,14 @@ def test_main_job_prints_progress_and_the_table():
     assert any(line.startswith("DDP would need") and "zero2 uses" in line for line in rank0)
     accuracy = float(re.search(r"accuracy ([\d.]+)", result.stdout).group(1))
     assert accuracy > 3 * 0.1
+
+
+def test_default_gpt_run_learns_well_below_the_unigram_entropy(tmp_path):
+    """``--model gpt`` with its defaults on 4 ranks, on the standard library's source text:
+    the held-out bits per character fall well below what byte frequencies alone give."""
+    metrics = tmp_path / "m.json"
+    result = ok(launch(4, "--model", "gpt", "--metrics-json", metrics, timeout=240))
+    doc = json.loads(metrics.read_text())
+    assert doc["model"] == "gpt" and doc["steps"] == 300 and doc["accuracy"] is None
+    assert doc["held_out_bits_per_char"] < doc["unigram_bits"] - 1.0, doc["held_out_bits_per_char"]
+    assert "bits/char" in result.stdout and "unigram entropy" in result.stdout

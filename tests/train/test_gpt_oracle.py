@@ -162,7 +162,7 @@ def test_layer_norm_gelu_and_cross_entropy_gradients_match_pytorch():
     w, b = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
     dy = rng.standard_normal(x.shape).astype(np.float32)
     y, cache = F.layer_norm_forward(x, w, b)
-    dx, dw, db = F.layer_norm_backward(cache, dy)
+    dx, dw, db = F.layer_norm_backward(cache, w, dy)
     X, W, B = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
     Y = TF.layer_norm(X, (8,), W, B, 1e-5)
     Y.backward(torch.tensor(dy, dtype=torch.float64))
