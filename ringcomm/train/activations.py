@@ -9,7 +9,8 @@ itemsize; caches are float32.
 - GPT block: 4·(2·b·r·(h + 1) + 2·b·R·h + 17·b·R·h_t + b·H_t·R) bytes: the two LayerNorms'
   normalised inputs and inverse deviations (r rows: ``--sp`` divides them by T), their
   outputs as the tp region sees them (R rows), q/k/v and the attention output, its row
-  log-sum-exp, the merged heads, and the MLP's pre-activation, tanh and GELU output.
+  log-sum-exp, the merged heads (a view of the output when H_t = 1: 16 instead of 17), and
+  the MLP's pre-activation, tanh and GELU output.
 - GPT embedding: the micro-batch's tokens, 8·b·R; head: the final LayerNorm's output and cache, 4·b·r·(2h+1),
   and on the last stage the logits' gradient, 4·b·r·V.
 - MLP: the stage input and every layer's output, e bytes each element (a column-parallel
@@ -33,7 +34,8 @@ def _gpt_layer(cfg, mesh, stage, layer, b):
         return e * b * r * d
     if layer.name == "head":
         return 4 * b * r * (2 * d + 1)
-    return 4 * (2 * b * r * (d + 1) + 2 * b * R * d + 17 * b * R * dl + b * hl * R)
+    merged = 0 if hl == 1 else 1  # with one head here, the merged heads are a view of the output
+    return 4 * (2 * b * r * (d + 1) + 2 * b * R * d + (16 + merged) * b * R * dl + b * hl * R)
 
 
 def saved_per_micro_batch(cfg, mesh, stage, b, itemsize):

@@ -19,13 +19,16 @@ each rank sending the block it holds to rank c+1 and receiving one from rank c�
 computes on the one it has. Backward sends K, V and their gradient accumulators dK, dV the
 same way; after the last block a final hop brings dK, dV home. Bytes sent per rank and layer
 call, with a block of ``E`` elements (K and V together, ``2·b·(s/C)·h``) and element size e:
-forward (C−1)·E·e, backward (C−1)·E·e + C·E·e. With the causal mask the sequence is cut
+forward (C−1)·E·e, backward (C−1)·E·e + C·E·e. Every hop is in flight while a block
+computes: a K/V hop during the block before it, a dK/dV hop during the next block's
+gradients (only the last one, bringing them home, is waited for at once). With the causal mask the sequence is cut
 into 2C chunks and rank c holds chunks c and 2C−1−c (:func:`zigzag_spans`): every rank then
 computes the same number of unmasked (query chunk, key chunk) pairs, 2C+1.
 
 Shapes: q, k, v, o are ``(batch, heads, rows, head_dim)``.
 """
 import math
+import time
 
 import numpy as np
 
@@ -148,6 +151,13 @@ class RingAttention:
         self.group, self.cp, self.c = group, group.world_size, group.rank
         self.spans_of = [zigzag_spans(seq_len, self.cp, r) for r in range(self.cp)]
         self.spans = self.spans_of[self.c]
+        self.compute_s = self.wait_s = 0.0  # time in block compute, and blocked on a hop
+
+    def _wait(self, works):
+        t0 = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.wait_s += time.perf_counter() - t0
 
     def _ring(self, payload, step, tag):
         """Post this step's hop: send ``payload`` right, receive the next one from the left."""
@@ -162,10 +172,11 @@ class RingAttention:
         kv = array_module(k).ascontiguousarray(array_module(k).stack([k, v]))  # one message per hop
         for step in range(self.cp):
             hop = self._ring(kv, step, KV_TAG) if step < self.cp - 1 else None
+            t0 = time.perf_counter()
             acc.add(kv[0], kv[1], self.spans_of[(self.c - step) % self.cp])  # overlaps the hop
+            self.compute_s += time.perf_counter() - t0
             if hop is not None:
-                for work in hop[1]:
-                    work.wait()
+                self._wait(hop[1])
                 kv = hop[0]
         o, lse = acc.finish()
         return o, (q, k, v, o, lse)
@@ -177,16 +188,24 @@ class RingAttention:
         dq = xp.zeros(q.shape, np.float32)
         D = (do * o).sum(axis=-1, keepdims=True)
         kv = xp.ascontiguousarray(xp.stack([k, v]))
-        grads = xp.zeros(kv.shape, np.float32)  # dK, dV of the block held, travelling with it
+        travelling = None  # (incoming dK/dV accumulator, its hop) of the block held next
         for step in range(self.cp):
             hop = self._ring(kv, step, KV_TAG) if step < self.cp - 1 else None
+            t0 = time.perf_counter()
             dk, dv = block_backward(q, kv[0], kv[1], self.spans, self.spans_of[(self.c - step) % self.cp],
                                     lse, do, D, scale, dq)
+            self.compute_s += time.perf_counter() - t0
+            if travelling is None:
+                grads = xp.zeros(kv.shape, np.float32)
+            else:  # the accumulator of this block, sent on while the block above computed
+                self._wait(travelling[1])
+                grads = travelling[0]
             grads[0] += dk
             grads[1] += dv
-            grads, works = self._ring(grads, step, GRAD_TAG)  # the last hop brings them home
-            for work in works + (hop[1] if hop else ()):
-                work.wait()
+            travelling = self._ring(grads, step, GRAD_TAG)  # the last hop brings them home
             if hop is not None:
+                self._wait(hop[1])
                 kv = hop[0]
+        self._wait(travelling[1])
+        grads = travelling[0]
         return dq, grads[0], grads[1]

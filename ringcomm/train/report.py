@@ -62,6 +62,7 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
     stats = {dim: g.stats() for dim, g in groups.items()}
     formula = traffic.predicted(cfg, mesh, job.stage, strategy)
     p, m = mesh.pp, cfg.micro_batches
+    attention = job.stage.gpt.ctx.attention if job.stage.gpt is not None else None
     values = {"rank": job.rank, "d": mesh.d, "c": mesh.c, "p": mesh.p, "t": mesh.t,
               "num_params": strategy.layout.num_params,
               **{f"mem_{c}": v for c, v in job.registry.current().items()},
@@ -75,6 +76,8 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
               "step_time_s": step_time, "bubble_fraction": idle_fraction,
               "bubble_formula": (p - 1) / (m + p - 1), "peak_activation_bytes": job.watch.peak,
               "saved_activation_bytes": job.runner.saved_peak,
+              "cp_compute_s_per_step": getattr(attention, "compute_s", 0.0) / steps,
+              "cp_wait_s_per_step": getattr(attention, "wait_s", 0.0) / steps,
               "activation_formula_bytes": activations.predicted(cfg, mesh, job.stage, strategy.dtype.itemsize)}
     mine = np.array(list(values.values()), np.float64)
     everyone = np.empty(len(mine) * job.meta.world_size)

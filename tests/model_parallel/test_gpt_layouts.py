@@ -166,7 +166,7 @@ def test_context_parallel_activation_memory_falls_with_cp(pools, tmp_path_factor
     assert max(r["peak_activation_bytes"] for r in recomputed["per_rank"]) < 0.8 * peaks[2]
 
 
-SAVED = [dict(model="gpt", cp=2, tp=2), dict(model="gpt", tp=2, sp=True, pp=2, micro_batches=2),
+SAVED = [dict(model="gpt", cp=2, tp=2), dict(model="gpt", tp=4), dict(model="gpt", tp=2, sp=True, pp=2, micro_batches=2),
          dict(model="gpt", pp=4, micro_batches=4, schedule="gpipe"), dict(model="gpt", pp=4, micro_batches=4),
          dict(model="gpt", cp=2, pp=2, recompute=True), dict(model="gpt", dp=4, precision="fp16", recompute=True),
          dict(model="mlp", tp=2, pp=2, micro_batches=2), dict(model="mlp", pp=4, micro_batches=4, recompute=True)]
