@@ -5,7 +5,8 @@ traced during a step, above what was live when it began, is everything the step 
 and held at its worst moment: saved activations, gradient contributions, transient
 gradient and gather buffers of the strategy, communication copies. Model state allocated
 before the step (parameters, optimizer state, persistent gradient buffers) is in the
-baseline, and reported separately by :class:`ringcomm.memory.MemoryRegistry`.
+baseline; :func:`allocated_by` measures it the same way when the strategy allocates it, beside
+what :class:`ringcomm.memory.MemoryRegistry` records by category.
 
 >>> watch = PeakWatch(); watch.begin(); step(); watch.end(); watch.peak   # bytes
 """
@@ -29,4 +30,19 @@ class PeakWatch:
         peak = tracemalloc.get_traced_memory()[1]
         self.peak = max(self.peak, peak - self._base)
         if self._mine:
+            tracemalloc.stop()
+
+
+def allocated_by(fn, *args):
+    """``(fn(*args), bytes)``: the bytes ``fn`` allocated that are still alive when it
+    returns, as ``tracemalloc`` saw them (host memory only: numpy, pinned buffers)."""
+    mine = not tracemalloc.is_tracing()
+    if mine:
+        tracemalloc.start(1)
+    before = tracemalloc.get_traced_memory()[0]
+    try:
+        result = fn(*args)
+        return result, tracemalloc.get_traced_memory()[0] - before
+    finally:
+        if mine:
             tracemalloc.stop()

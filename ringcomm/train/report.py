@@ -68,6 +68,7 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
               **{f"mem_{c}": v for c, v in job.registry.current().items()},
               **{f"formula_{c}": v for c, v in strategy.predicted_bytes(strategy.rank).items()},
               "peak_model_state_bytes": job.registry.peak_total(),
+              "model_state_traced_bytes": job.state_traced,
               "bytes_sent": sum(s["bytes_sent"] for s in stats.values()),
               "bytes_received": sum(s["bytes_received"] for s in stats.values()),
               **{f"{dim}_bytes_sent_per_step": stats[dim]["bytes_sent"] / steps if dim in stats else 0.0
@@ -86,7 +87,7 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
     for vec in everyone.reshape(job.meta.world_size, -1):
         v = dict(zip(values, vec))
         ints = ("rank", "d", "c", "p", "t", "num_params", "bytes_sent", "bytes_received",
-                "peak_model_state_bytes", "peak_activation_bytes", "saved_activation_bytes",
+                "peak_model_state_bytes", "model_state_traced_bytes", "peak_activation_bytes", "saved_activation_bytes",
                 "activation_formula_bytes")
         row = {k: int(v[k]) for k in ints}
         row.update({k: float(v[k]) for k in values if k not in ints and not k.startswith(("mem_", "formula_"))})
@@ -149,10 +150,11 @@ def table(job, per_rank):
     strategy, cfg = job.strategy, job.cfg
     e = strategy.dtype.itemsize
     phis = sorted({row["num_params"] for row in per_rank})
-    lines = [f"model state per rank (MiB; measured / formula), Φ = {'/'.join(map(str, phis))} parameters "
+    lines = [f"model state per rank (MiB; measured / formula; traced: what the strategy allocated, as "
+             f"tracemalloc saw it), Φ = {'/'.join(map(str, phis))} parameters "
              f"on a rank, N = {strategy.n} (data group), {e}-byte params and grads, K = {strategy.k_bytes()}",
              f"{'rank':>4} {'params':>19} {'grads':>19} {'optimizer':>19} {'total':>19} {'peak':>9}"
-             f" {'sent/step KiB':>22}"]
+             f" {'sent/step KiB':>22} {'traced':>9}"]
     for row in per_rank:
         m, f = row["model_state_bytes"], row["predicted_model_state_bytes"]
         cells = [f"{_mib(m[c])}/{_mib(f[c])}" for c in ("params", "grads")]
@@ -160,7 +162,7 @@ def table(job, per_rank):
         cells.append(f"{_mib(device_total(m))}/{_mib(device_total(f))}")
         sent = f"{row['bytes_sent_per_step'] / 1024:10.1f}/{row['predicted_bytes_sent_per_step'] / 1024:10.1f}"
         lines.append(f"{row['rank']:>4} " + " ".join(cells)
-                     + f" {_mib(row['peak_model_state_bytes'])} {sent}")
+                     + f" {_mib(row['peak_model_state_bytes'])} {sent} {_mib(row['model_state_traced_bytes'])}")
     if cfg.offload:
         lines.append("optimizer state is offloaded to host memory: it is not part of the device total")
     if strategy.name.startswith("zero"):
@@ -170,10 +172,11 @@ def table(job, per_rank):
         lines.append(f"DDP would need {_mib(ddp).strip()} MiB on rank 0 for the same parameters; "
                      f"{strategy.name} uses {_mib(mine).strip()} MiB ({ddp / max(1, mine):.1f}x less)")
     if cfg.model_parallel:
-        lines.append("bytes sent per step per dimension (KiB; measured / formula), peak step memory "
-                     "(activations and transients, traced), idle fraction vs (P-1)/(M+P-1)")
+        lines.append("bytes sent per step per dimension (KiB; measured / formula); activations saved for "
+                     "backward (KiB; counted / formula) and the step's traced peak (activations and "
+                     "transients); idle fraction vs (P-1)/(M+P-1)")
         lines.append(f"{'rank':>4} {'d c p t':>8} {'Φ':>9} " + " ".join(f"{d:>19}" for d in DIMS)
-                     + f" {'peak act KiB':>12} {'idle':>5} {'bubble':>6}")
+                     + f" {'saved act KiB':>19} {'peak KiB':>9} {'idle':>5} {'bubble':>6}")
         for r in per_rank:
             cells = [f"{r[f'{d}_bytes_sent_per_step'] / 1024:9.1f}/{r[f'{d}_bytes_predicted_per_step'] / 1024:9.1f}"
                      for d in DIMS]

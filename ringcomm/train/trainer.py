@@ -20,7 +20,7 @@ from ..device import to_host
 from ..memory import MemoryRegistry
 from . import corpus, data as datasets, mesh as meshes, models, report
 from .config import validate
-from .memwatch import PeakWatch
+from .memwatch import PeakWatch, allocated_by
 from .model import predict
 from .step import StepRunner
 from .strategy import ParameterServer, Replicated, Single
@@ -80,20 +80,22 @@ class Job:
     """Everything one rank builds before the first step."""
 
     def __init__(self, comm, cfg):
+        # every check that can fail on its own comes before the first byte is sent
         self.cfg = cfg = validate(cfg, comm.world_size)
         self.rank = comm.rank
+        self.dataset = load_data(cfg)
+        self.order = datasets.BatchOrder(len(self.dataset.x), cfg.batch_size, cfg.dp, cfg.seed)
         self.mesh = meshes.build(comm, cfg.dp, cfg.cp, cfg.pp, cfg.tp, tied=cfg.model == "gpt")
         self.meta = comm.new_group(list(range(comm.world_size)))  # control traffic, not counted
-        self.dataset = load_data(cfg)
-        self.order = datasets.BatchOrder(len(self.dataset.x), cfg.batch_size, self.mesh.dp, cfg.seed)
         self.xp = array_module_for(comm)
         self.dtype = np.dtype(np.float16 if cfg.precision == "fp16" else np.float32)
         self.stage = models.build(cfg, self.mesh, self.dtype)
         self.counted = models.counted(self.stage, self.mesh)
         self.registry, self.tracer = MemoryRegistry(self.xp), Tracer(comm.rank, bool(cfg.trace))
         params = self.stage.init_local(models.full_init(cfg))
-        self.strategy = make_strategy(cfg, self.mesh.group("data"), self.meta, self.mesh.group("side"),
-                                      self.stage, params, self.registry, self.tracer, self.counted)
+        self.strategy, self.state_traced = allocated_by(
+            make_strategy, cfg, self.mesh.group("data"), self.meta, self.mesh.group("side"), self.stage, params,
+            self.registry, self.tracer, self.counted)
         self.strategy.placement = self.placement()
         self.watch = PeakWatch()
         self.runner = StepRunner(self.stage, self.strategy, self.mesh, cfg, self.tracer)

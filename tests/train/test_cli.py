@@ -117,6 +117,9 @@ def test_metrics_json_contract_and_save(tmp_path, single_run, nproc, strategy, e
         for what in ("bytes_sent", "bytes_received"):
             assert isinstance(row[what], int) and row[what] > 0
         assert row["step_time_s"] > 0
+        # what the strategy allocated, as tracemalloc saw it, covers the registry's records
+        recorded = device_total(row["model_state_bytes"]) + row["model_state_bytes"]["optimizer_host"]
+        assert recorded <= row["model_state_traced_bytes"] <= 1.1 * recorded + 64 * 1024
     if "--offload" in extra:
         assert all(r["model_state_bytes"]["optimizer"] == 0 for r in doc["per_rank"])
     # --save: W0, b0, W1, b1, ... in model order, (in, out) and (out,), fp32
