@@ -8,7 +8,8 @@ has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). St
 3. collectives on the GPU: ring vs parameter-server all-reduce of CuPy arrays on 4 workers
    sharing the GPU(s), checked against the closed form, timed (median of 5);
 4. one short training run per strategy with ``--device gpu`` (dp, ddp, zero1, zero2, zero3,
-   zero2 + offload) in fp16, checked to learn and to agree with each other.
+   zero2 + offload) in fp16, and the GPT on cp2, tp2 + sp (zero3) and pp2 (zero1, recompute),
+   each checked to finish.
 
 Results go to ``OUT/gpu_check.json`` (``--out``; default ``bench/out``) and a summary to stdout.
 """
@@ -20,7 +21,10 @@ import sys
 import tempfile
 import time
 
-STRATEGIES = [("dp", []), ("ddp", []), ("zero1", []), ("zero2", []), ("zero3", []), ("zero2", ["--offload"])]
+STRATEGIES = [("dp", []), ("ddp", []), ("zero1", []), ("zero2", []), ("zero3", []), ("zero2", ["--offload"]),
+              # the GPT on each model-parallel dimension (2 ranks sharing the GPU)
+              ("ddp", ["--model", "gpt", "--cp", "2"]), ("zero3", ["--model", "gpt", "--tp", "2", "--sp"]),
+              ("zero1", ["--model", "gpt", "--pp", "2", "--micro-batches", "2", "--recompute"])]
 BENCH = r'''
 import json, statistics, sys, time
 import cupy as cp, numpy as np, ringcomm
@@ -96,6 +100,7 @@ def main(argv=None):
                 with open(metrics) as m:
                     doc = json.load(m)
                 entry.update(final_loss=doc["final_loss"], accuracy=doc["accuracy"],
+                             held_out_bits_per_char=doc.get("held_out_bits_per_char"),
                              step_time_s=doc["per_rank"][0]["step_time_s"])
             else:
                 entry["error"] = result.stderr[-1500:]
