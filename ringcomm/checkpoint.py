@@ -329,7 +329,8 @@ def main(argv=None):
         else:
             entry = consolidate(args.dir, args.out)
             m = entry.manifest
-            print(f"{args.out}: {m['num_params']} fp32 parameters of layers {m['layers']} from {entry.path} "
+            model = f"layers {m['layers']}" if "layers" in m else f"the {m.get('model', 'gpt')} {m.get('gpt')}"
+            print(f"{args.out}: {m['num_params']} fp32 parameters of {model} from {entry.path} "
                   f"(step {m['step']}, {m['strategy']} on {m['world_size']} rank(s))")
     except (CheckpointError, OSError) as e:
         print(f"ringcomm.checkpoint: {e}", file=sys.stderr)

@@ -18,8 +18,9 @@ each block's probabilities ``P = exp(s − lse)`` and uses ``D = rowsum(dO ∘ O
 each rank sending the block it holds to rank c+1 and receiving one from rank c−1 while it
 computes on the one it has. Backward sends K, V and their gradient accumulators dK, dV the
 same way; after the last block a final hop brings dK, dV home. Bytes sent per rank and layer
-call, with a block of ``E`` elements (K and V together, ``2·b·(s/C)·h``) and element size e:
-forward (C−1)·E·e, backward (C−1)·E·e + C·E·e. Every hop is in flight while a block
+call, with a block of ``E`` elements (K and V together, ``2·b·(s/C)·h``), all float32 (4
+bytes; attention computes in float32 whatever the storage precision): forward (C−1)·E·4,
+backward (C−1)·E·4 + C·E·4. Every hop is in flight while a block
 computes: a K/V hop during the block before it, a dK/dV hop during the next block's
 gradients (only the last one, bringing them home, is waited for at once). With the causal mask the sequence is cut
 into 2C chunks and rank c holds chunks c and 2C−1−c (:func:`zigzag_spans`): every rank then

@@ -89,7 +89,7 @@ def _parse_widths(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m ringcomm.train",
+    p = argparse.ArgumentParser(prog="python -m ringcomm.train", allow_abbrev=False,
                                 description="Train a model with data, context, pipeline and tensor parallelism.")
     for f in fields(TrainConfig):
         meta, flag = dict(f.metadata), "--" + f.name.replace("_", "-")
@@ -115,6 +115,8 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    if args.main_job and args.model != "mlp":
+        p.error("--main-job is the MLP demonstration run; it takes no --model gpt")
     if args.main_job:
         for key, value in MAIN_JOB.items():
             if key not in given:
@@ -154,10 +156,15 @@ def validate(cfg, world_size=None):
     if cfg.model == "mlp":
         if cfg.cp > 1 or cfg.sp:
             raise ValueError("--cp and --sp split sequences: they need --model gpt")
+        if cfg.pp > len(cfg.layers) - 1:
+            raise ValueError(f"--pp {cfg.pp} exceeds the MLP's {len(cfg.layers) - 1} layers (--layers)")
     else:
         for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if cfg.pp > cfg.n_layer + 2:
+            raise ValueError(f"--pp {cfg.pp} exceeds the GPT's {cfg.n_layer + 2} layers (embedding, "
+                             f"--n-layer {cfg.n_layer} blocks, head)")
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"--d-model {cfg.d_model} must divide by --n-head {cfg.n_head}")
         if cfg.n_head % cfg.tp:

@@ -87,8 +87,11 @@ def load_npz(path, seq_len, vocab):
                              f"got {a.dtype} {a.shape}")
         if a.size and (a.min() < 0 or a.max() >= vocab):
             raise ValueError(f"{path}: {name} has tokens outside [0, --vocab {vocab})")
-    if arrays["x"].shape != arrays["y"].shape:
-        raise ValueError(f"{path}: x {arrays['x'].shape} and y {arrays['y'].shape} differ in shape")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise ValueError(f"{path}: held-out data needs both x_test and y_test, or neither")
+    for a, b in (("x", "y"), ("x_test", "y_test")):
+        if a in arrays and arrays[a].shape != arrays[b].shape:
+            raise ValueError(f"{path}: {a} {arrays[a].shape} and {b} {arrays[b].shape} differ in shape")
     x, y = arrays["x"].astype(np.int64), arrays["y"].astype(np.int64)
     x_test = arrays.get("x_test", x).astype(np.int64)
     y_test = arrays.get("y_test", y).astype(np.int64)

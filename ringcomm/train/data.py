@@ -41,6 +41,8 @@ def load_npz(path):
     with np.load(path) as f:
         if "x" not in f or "y" not in f:
             raise ValueError(f"{path}: needs arrays 'x' and 'y', found {sorted(f.files)}")
+        if ("x_test" in f) != ("y_test" in f):
+            raise ValueError(f"{path}: held-out data needs both x_test and y_test, or neither")
         x, y = f["x"].astype(np.float32), f["y"].astype(np.int64)
         x_test = f["x_test"].astype(np.float32) if "x_test" in f else x
         y_test = f["y_test"].astype(np.int64) if "y_test" in f else y

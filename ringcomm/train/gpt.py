@@ -52,14 +52,14 @@ class GPTShape:
     n_layer: int
 
 
-def gpt_specs(shape, tp=1, t=0, sp=False):
+def gpt_specs(shape, tp=1, t=0):
     """Every parameter in model order, with this tp rank's piece of it."""
     V, T, d, L = shape.vocab, shape.seq_len, shape.d_model, shape.n_layer
     dl = d // tp
     heads = np.concatenate([np.arange(j * d + t * dl, j * d + (t + 1) * dl) for j in range(3)])
     hidden = np.arange(t * 4 * dl, (t + 1) * 4 * dl)
     rows = np.arange(t * dl, (t + 1) * dl)
-    specs = [ParamSpec("wte", (V, d), tp_partial=sp), ParamSpec("wpe", (T, d), tp_partial=sp)]
+    specs = [ParamSpec("wte", (V, d)), ParamSpec("wpe", (T, d))]
     for i in range(L):
         shard = {"attn.w_qkv": (1, heads), "attn.b_qkv": (0, heads), "attn.w_o": (0, rows),
                  "mlp.w_in": (1, hidden), "mlp.b_in": (0, hidden), "mlp.w_out": (0, hidden)}
@@ -68,8 +68,8 @@ def gpt_specs(shape, tp=1, t=0, sp=False):
                 "mlp.w_in": (d, 4 * d), "mlp.b_in": (4 * d,), "mlp.w_out": (4 * d, d), "mlp.b_out": (d,)}
         for name in BLOCK_PARAMS:
             axis, index = shard.get(name, (None, None)) if tp > 1 else (None, None)
-            specs.append(ParamSpec(f"h{i}.{name}", full[name], axis, index, tp_partial=sp and axis is None))
-    specs += [ParamSpec("lnf.w", (d,), tp_partial=sp), ParamSpec("lnf.b", (d,), tp_partial=sp)]
+            specs.append(ParamSpec(f"h{i}.{name}", full[name], axis, index))
+    specs += [ParamSpec("lnf.w", (d,)), ParamSpec("lnf.b", (d,))]
     return specs
 
 

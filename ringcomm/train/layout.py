@@ -48,17 +48,21 @@ class Unit:
 
 class Layout:
     def __init__(self, specs, world_size, unit_bytes, itemsize, layer_members=None,
-                 first_bytes=FIRST_BUCKET_BYTES):
+                 first_bytes=FIRST_BUCKET_BYTES, alone=()):
         """``specs``: ``(name, shape)`` in model order. ``layer_members`` (ZeRO-3): per layer,
         the indices of the parameters it uses; each parameter joins the unit of the first
-        layer that uses it. Without it, units are buckets of ``unit_bytes``."""
+        layer that uses it. Without it, units are buckets of ``unit_bytes``. A parameter in
+        ``alone`` is a unit by itself: a copy of it that another rank holds under another
+        layout (a tied embedding, a replicated bias beside unevenly split weights) then
+        goes through exactly the same reductions, element for element, and stays bitwise
+        equal to this one."""
         self.specs, self.world_size = specs, world_size
         self.sizes = [int(np.prod(shape)) for _, shape in specs]
         self.num_params = sum(self.sizes)
         self.offsets = [0] * len(specs)
         self.units = []
         order = list(range(len(specs)))[::-1]
-        groups = self._groups(order, unit_bytes, itemsize, layer_members, first_bytes)
+        groups = self._groups(order, unit_bytes, itemsize, layer_members, first_bytes, set(alone))
         offset = shard_offset = 0
         for index, members in enumerate(groups):
             length = sum(self.sizes[p] for p in members)
@@ -75,16 +79,25 @@ class Layout:
         self.shard_total = shard_offset    # length of one rank's shard buffer
         self.unit_of_param = {p: u for u in self.units for p in u.params}
 
-    def _groups(self, order, unit_bytes, itemsize, layer_members, first_bytes):
+    def _groups(self, order, unit_bytes, itemsize, layer_members, first_bytes, alone):
         if layer_members is not None:
             first_use = {}
             for layer, members in enumerate(layer_members):
                 for p in members:
                     first_use.setdefault(p, layer)
-            groups = [[p for p in order if first_use[p] == layer] for layer in reversed(range(len(layer_members)))]
+            groups = []
+            for layer in reversed(range(len(layer_members))):
+                mine = [p for p in order if first_use[p] == layer]
+                groups += [[p] for p in mine if p in alone] + [[p for p in mine if p not in alone]]
             return [g for g in groups if g]
         groups, current, current_bytes = [], [], 0
         for p in order:
+            if p in alone:
+                if current:
+                    groups.append(current)
+                    current, current_bytes = [], 0
+                groups.append([p])
+                continue
             current.append(p)
             current_bytes += self.sizes[p] * itemsize
             cap = min(first_bytes, unit_bytes) if not groups else unit_bytes

@@ -14,12 +14,18 @@ import tracemalloc
 
 
 class PeakWatch:
-    def __init__(self):
-        self.peak = 0          # the largest step peak, bytes
+    """``enabled=False`` (device memory, which tracemalloc cannot see): ``peak`` stays −1,
+    "not measured"."""
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+        self.peak = 0 if enabled else -1   # the largest step peak, bytes
         self._mine = False
 
     def begin(self):
         """Start watching a step: what is live now is the baseline, not counted."""
+        if not self.enabled:
+            return
         self._mine = not tracemalloc.is_tracing()
         if self._mine:
             tracemalloc.start(1)  # traces only what is allocated from here on
@@ -27,6 +33,8 @@ class PeakWatch:
         self._base = tracemalloc.get_traced_memory()[0]
 
     def end(self):
+        if not self.enabled:
+            return
         peak = tracemalloc.get_traced_memory()[1]
         self.peak = max(self.peak, peak - self._base)
         if self._mine:

@@ -31,11 +31,21 @@ class StageModel:
     gpt: object        # the GPT (its context) or None
     seq_len: int       # positions per sequence (1 for the MLP)
     offset: int        # the model-order index of this stage's first layer
+    tp_specs: list     # every tp rank's ``specs``
 
     def layer_members(self):
         """Per layer, the local indices of its parameters (in the layer's order)."""
         where = {g: i for i, g in enumerate(self.local)}
         return [[where[g] for g in layer.params] for layer in self.layers]
+
+    def copies(self):
+        """Local indices of parameters that another rank holds a copy of under a different
+        flat layout: tied parameters, and parameters replicated over tp when the tp ranks'
+        pieces differ in size (an MLP width that does not divide by tp). Each gets a unit of
+        its own, so its copies are reduced alike and stay bitwise equal."""
+        uneven = len({tuple(s.local_shape for s in specs) for specs in self.tp_specs}) > 1
+        return [i for i, g in enumerate(self.local)
+                if g in self.tied or (uneven and self.specs[g].replicated)]
 
     def local_specs(self):
         return [self.specs[g] for g in self.local]
@@ -85,14 +95,16 @@ def build(cfg, mesh, dtype):
     tp_group = mesh.group("tp") if mesh.tp > 1 else None
     gpt = None
     if cfg.model == "mlp":
-        specs = mlp_specs(cfg.layers, mesh.tp, mesh.t)
+        tp_specs = [mlp_specs(cfg.layers, mesh.tp, t) for t in range(mesh.tp)]
         every = mlp_layers(cfg.layers, tp_group, dtype)
         seq_len = 1
     else:
         shape = gpt_shape(cfg)
         ctx = Context(shape, tp_group, mesh.group("cp") if mesh.cp > 1 else None, cfg.sp, dtype)
         gpt = GPT(shape, ctx)
-        specs, every, seq_len = gpt_specs(shape, mesh.tp, mesh.t, cfg.sp), gpt.layers, shape.seq_len
+        tp_specs = [gpt_specs(shape, mesh.tp, t) for t in range(mesh.tp)]
+        every, seq_len = gpt.layers, shape.seq_len
+    specs = tp_specs[mesh.t]
     if mesh.pp > len(every):
         raise ValueError(f"--pp {mesh.pp} exceeds the model's {len(every)} layers")
     stages = [every[lo:hi] for lo, hi in split(0, len(every), mesh.pp)]
@@ -105,7 +117,7 @@ def build(cfg, mesh, dtype):
     offset = split(0, len(every), mesh.pp)[mesh.p][0]
     local = sorted({g for layer in layers for g in layer.params})
     tied = {g for g in local if len(holders[g]) > 1}
-    return StageModel(cfg.model, specs, layers, local, tied, gpt, seq_len, offset)
+    return StageModel(cfg.model, specs, layers, local, tied, gpt, seq_len, offset, tp_specs)
 
 
 def counted(stage, mesh):

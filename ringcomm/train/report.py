@@ -90,6 +90,8 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
                 "peak_model_state_bytes", "model_state_traced_bytes", "peak_activation_bytes", "saved_activation_bytes",
                 "activation_formula_bytes")
         row = {k: int(v[k]) for k in ints}
+        for k in ("model_state_traced_bytes", "peak_activation_bytes"):
+            row[k] = None if row[k] < 0 else row[k]  # on a GPU: device memory, not traced
         row.update({k: float(v[k]) for k in values if k not in ints and not k.startswith(("mem_", "formula_"))})
         row["model_state_bytes"] = {c: int(v[f"mem_{c}"]) for c in CATEGORIES}
         row["predicted_model_state_bytes"] = {c: float(v[f"formula_{c}"]) for c in CATEGORIES}
@@ -144,6 +146,11 @@ def _mib(x):
     return f"{x / 2 ** 20:9.3f}"
 
 
+def _traced(value, unit, digits):
+    """A traced byte count in ``unit``s, or n/a (device memory, not traced)."""
+    return f"{'n/a':>9}" if value is None else f"{value / unit:9.{digits}f}"
+
+
 def table(job, per_rank):
     """Per rank: model-state memory and bytes sent per step, measured against the formulas;
     with model parallelism also each dimension's bytes and the activation peak."""
@@ -162,7 +169,7 @@ def table(job, per_rank):
         cells.append(f"{_mib(device_total(m))}/{_mib(device_total(f))}")
         sent = f"{row['bytes_sent_per_step'] / 1024:10.1f}/{row['predicted_bytes_sent_per_step'] / 1024:10.1f}"
         lines.append(f"{row['rank']:>4} " + " ".join(cells)
-                     + f" {_mib(row['peak_model_state_bytes'])} {sent} {_mib(row['model_state_traced_bytes'])}")
+                     + f" {_mib(row['peak_model_state_bytes'])} {sent} {_traced(row['model_state_traced_bytes'], 2 ** 20, 3)}")
     if cfg.offload:
         lines.append("optimizer state is offloaded to host memory: it is not part of the device total")
     if strategy.name.startswith("zero"):
@@ -183,7 +190,7 @@ def table(job, per_rank):
             lines.append(f"{r['rank']:>4} {r['d']:>2} {r['c']:>1} {r['p']:>1} {r['t']:>1} {r['num_params']:>9} "
                          + " ".join(cells)
                          + f" {r['saved_activation_bytes'] / 1024:9.1f}/{r['activation_formula_bytes'] / 1024:9.1f}"
-                         f" {r['peak_activation_bytes'] / 1024:9.1f} {r['bubble_fraction']:5.2f} "
+                         f" {_traced(r['peak_activation_bytes'], 1024, 1)} {r['bubble_fraction']:5.2f} "
                          f"{r['bubble_formula']:6.2f}")
     return "\n".join(lines)
 

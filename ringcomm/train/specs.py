@@ -2,9 +2,7 @@
 
 A :class:`ParamSpec` names a parameter (the name used by ``--save`` and checkpoints), gives
 its full shape and, for a tensor-parallel rank, the indices it holds along one axis (None:
-the whole parameter, replicated over tp). ``tp_partial`` marks a replicated parameter whose
-gradient each tp rank computes from only its part of the rows (sequence parallelism), so it
-is summed over the tp group.
+the whole parameter, replicated over tp).
 
 >>> spec = ParamSpec("h0.mlp.w_in", (8, 32), axis=1, index=np.arange(16, 32))
 >>> spec.local_shape, spec.shard(np.zeros((8, 32))).shape
@@ -21,7 +19,6 @@ class ParamSpec:
     shape: tuple
     axis: int = None           # the axis tp shards, or None
     index: np.ndarray = None   # this tp rank's indices along ``axis``
-    tp_partial: bool = False
 
     @property
     def local_shape(self):

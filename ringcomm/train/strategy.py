@@ -31,12 +31,14 @@ class Strategy:
     name = "base"
     per_layer_units = False
 
-    def __init__(self, group, meta, side, specs, layer_members, params, cfg, registry, tracer, counted=None):
+    def __init__(self, group, meta, side, specs, layer_members, params, cfg, registry, tracer, counted=None,
+                 alone=()):
         """``group``: the data group; ``meta``: every rank of the job and ``side``: the data
         group again, both for the control traffic that the byte counts leave out. ``specs``: ``(name, shape)`` of this rank's parameters in model order; ``params``
         their fp32 values; ``layer_members``: per layer, the indices of its parameters;
         ``counted``: per parameter, whether this rank's copy counts in the global gradient
-        norm (see :func:`.models.counted`; default all)."""
+        norm (see :func:`.models.counted`; default all); ``alone``: parameters that get a unit
+        of their own (see :class:`.layout.Layout`)."""
         self.comm, self.meta, self.side = group, meta, side
         self.rank, self.n = group.rank, group.world_size
         self.cfg, self.reg, self.trace = cfg, registry, tracer
@@ -46,7 +48,7 @@ class Strategy:
         self.dtype = np.dtype(np.float16 if cfg.precision == "fp16" else np.float32)
         self.mixed = cfg.precision == "fp16"
         self.layout = Layout(specs, self.n, int(cfg.bucket_mb * 2 ** 20), self.dtype.itemsize,
-                             layer_members=layer_members if self.per_layer_units else None)
+                             layer_members=layer_members if self.per_layer_units else None, alone=alone)
         self.counted = np.ones(len(specs), bool) if counted is None else np.asarray(counted, bool)
         self.scaler = LossScaler(enabled=self.mixed)
         self.optimizer_category = "optimizer_host" if cfg.offload else "optimizer"

@@ -43,7 +43,8 @@ def _test_kill_at_step(rank):
 
 def make_strategy(cfg, group, meta, side, stage, params, registry, tracer, counted=None):
     specs = [(s.name, s.local_shape) for s in stage.local_specs()]
-    args = (group, meta, side, specs, stage.layer_members(), params, cfg, registry, tracer, counted)
+    args = (group, meta, side, specs, stage.layer_members(), params, cfg, registry, tracer, counted,
+            stage.copies())
     if cfg.strategy.startswith("zero"):
         zero = Zero(int(cfg.strategy[-1]), *args)
         zero.layer_offset = stage.offset
@@ -96,8 +97,10 @@ class Job:
         self.strategy, self.state_traced = allocated_by(
             make_strategy, cfg, self.mesh.group("data"), self.meta, self.mesh.group("side"), self.stage, params,
             self.registry, self.tracer, self.counted)
+        if self.xp is not np:
+            self.state_traced = -1  # device memory: not what tracemalloc sees
         self.strategy.placement = self.placement()
-        self.watch = PeakWatch()
+        self.watch = PeakWatch(enabled=self.xp is np)
         self.runner = StepRunner(self.stage, self.strategy, self.mesh, cfg, self.tracer)
         self.denominator = cfg.batch_size * self.stage.seq_len
 

@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from ckpt_helpers import cli
 from ringcomm import checkpoint
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.corpus import stdlib_corpus
@@ -82,7 +83,8 @@ def test_checkpoint_resumes_on_another_layout(pools, tokens, tmp_path, case):
 def test_consolidate_assembles_tensor_parallel_pieces_and_stages(pools, tokens, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     pools(4).run(run, GPT, dict(data=tokens, pp=2, tp=2, checkpoint_dir=ckpt, save=str(tmp_path / "s.npz")))
-    checkpoint.consolidate(ckpt, str(tmp_path / "c.npz"))
+    rc, out, err = cli("consolidate", ckpt, tmp_path / "c.npz")
+    assert rc == 0 and "of the gpt" in out and "'d_model': 16" in out, out + err
     got, want = np.load(tmp_path / "c.npz"), np.load(tmp_path / "s.npz")
     assert got.files == want.files and got.files[:2] == ["wte", "wpe"]
     for name in want.files:

@@ -38,6 +38,8 @@ REFUSED = [
     (dict(resume=True), "--resume and --checkpoint-every need --checkpoint-dir"),
     (dict(clip_grad_norm=-1.0), "--clip-grad-norm must be > 0"),
     (dict(layers=(4,)), "--layers needs at least"),
+    (dict(pp=4, layers=(8, 4, 2)), "--pp 4 exceeds the MLP's 2 layers"),
+    (dict(model="gpt", pp=5, n_layer=2), "--pp 5 exceeds the GPT's 4 layers"),
 ]
 
 
@@ -69,3 +71,14 @@ def test_command_line_refusal_exits_2_with_the_message(capsys):
         parse_args(["--model", "gpt", "--n-head", "4", "--tp", "3"])
     assert exc.value.code == 2
     assert "--n-head 4 must divide by --tp 3" in capsys.readouterr().err
+
+
+def test_abbreviated_flags_are_refused_not_silently_overridden(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "gpt", "--batch", "32"])
+    assert "unrecognized arguments: --batch" in capsys.readouterr().err
+    cfg = parse_args(["--model", "gpt", "--batch-size", "32", "--steps", "5"])
+    assert (cfg.batch_size, cfg.steps, cfg.lr) == (32, 5, 3e-3)  # the GPT's lr, the user's others
+    with pytest.raises(SystemExit):
+        parse_args(["--main-job", "--model", "gpt"])
+    assert "--main-job is the MLP demonstration run" in capsys.readouterr().err

@@ -195,3 +195,17 @@ def test_corpus_is_real_text_with_next_token_targets():
     assert unigram_bits(np.array([1, 1, 2, 2])) == pytest.approx(1.0)
     x, y = windows(np.arange(10), 3)
     assert x.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and y[-1].tolist() == [7, 8, 9]
+
+
+def test_held_out_arrays_come_in_pairs(tmp_path):
+    from ringcomm.train.corpus import load_npz
+    x = np.zeros((4, 8), np.int64)
+    np.savez(tmp_path / "half.npz", x=x, y=x, x_test=x)
+    with pytest.raises(ValueError, match="both x_test and y_test"):
+        load_npz(str(tmp_path / "half.npz"), 8, 256)
+    np.savez(tmp_path / "bad.npz", x=x, y=x[:3])
+    with pytest.raises(ValueError, match="differ in shape"):
+        load_npz(str(tmp_path / "bad.npz"), 8, 256)
+    np.savez(tmp_path / "big.npz", x=x + 300, y=x)
+    with pytest.raises(ValueError, match="outside"):
+        load_npz(str(tmp_path / "big.npz"), 8, 256)

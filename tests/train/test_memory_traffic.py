@@ -349,3 +349,15 @@ def test_first_bucket_is_small():
     assert first.length * 4 >= 2 ** 20 > (first.length - sizes[first.params[-1]]) * 4
     assert len(lay.units) == 2  # everything else fits one 25 MB bucket
     assert lay.units[1].length * 4 < 25 * 2 ** 20
+
+
+@pytest.mark.parametrize("layer_members", [None, [[0, 1], [2, 3], [4, 5, 0]]])
+def test_parameters_alone_get_a_unit_of_their_own(layer_members):
+    """A copy held elsewhere under another layout (a tied embedding) is a unit by itself,
+    so both copies are reduced in the same chunks."""
+    specs = [("wte", (6, 4)), ("wpe", (3, 4)), ("w", (4, 4)), ("b", (4,)), ("lnf.w", (4,)), ("lnf.b", (4,))]
+    lay = Layout(specs, 3, 1 << 20, 4, layer_members=layer_members, alone=[0])
+    assert [u.params for u in lay.units if 0 in u.params] == [[0]]
+    unit = lay.unit_of_param[0]
+    assert (unit.length, unit.padded, unit.shard_size) == (24, 24, 8)
+    assert sorted(p for u in lay.units for p in u.params) == list(range(6))
