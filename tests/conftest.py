@@ -27,3 +27,19 @@ def pools():
     p = _Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory):
+    """``token_file(n)``: an .npz of the first n real 16-byte sequences of the standard
+    library's source (GPT tests: full-batch training on real text)."""
+    import numpy as np
+
+    from ringcomm.train.corpus import stdlib_corpus
+
+    def make(sequences, seq_len=16):
+        corpus = stdlib_corpus(seq_len, max_bytes=1 << 16)
+        path = tmp_path_factory.mktemp("tokens") / f"t{sequences}x{seq_len}.npz"
+        np.savez(path, x=corpus.x[:sequences], y=corpus.y[:sequences])
+        return str(path)
+    return make

@@ -67,18 +67,11 @@ class Regions:
         return self._gather(dy) if self.sp else dy
 
     def sum_partial(self, grads):
-        """All-reduce over tp the gradients of replicated parameters (``--sp`` only; in place
-        on the list's arrays, float32)."""
+        """The gradients of replicated parameters summed over tp (``--sp`` only: new float32
+        arrays; without it the list as it is)."""
         if not self.sp or not grads:
             return grads
-        xp = array_module(grads[0])
-        flat = xp.concatenate([g.reshape(-1) for g in grads]).astype(np.float32)
-        self.group.all_reduce(flat)
-        out, offset = [], 0
-        for g in grads:
-            out.append(flat[offset:offset + g.size].reshape(g.shape))
-            offset += g.size
-        return out
+        return all_reduce_arrays(self.group, grads)
 
     # -- collectives along the sequence ----------------------------------------------------------
     def _all_reduce(self, x):
@@ -103,3 +96,15 @@ class Regions:
         out = xp.empty((b, r, h), self.dtype)
         self.group.reduce_scatter(out.reshape(-1), src.reshape(-1))
         return out.astype(np.float32)
+
+
+def all_reduce_arrays(group, arrays):
+    """New float32 arrays: ``arrays`` summed over ``group``, in one all-reduce."""
+    xp = array_module(arrays[0])
+    flat = xp.concatenate([a.reshape(-1) for a in arrays]).astype(np.float32)
+    group.all_reduce(flat)
+    out, offset = [], 0
+    for a in arrays:
+        out.append(flat[offset:offset + a.size].reshape(a.shape))
+        offset += a.size
+    return out

@@ -21,6 +21,7 @@ from ..memory import MemoryRegistry
 from . import corpus, data as datasets, mesh as meshes, models, report
 from .config import validate
 from .memwatch import PeakWatch, allocated_by
+from .regions import all_reduce_arrays
 from .model import predict
 from .step import StepRunner
 from .strategy import ParameterServer, Replicated, Single
@@ -131,13 +132,7 @@ class Job:
             for g, piece, counted in zip(self.stage.local, local, self.counted):
                 if counted:
                     specs[g].place(full[g], piece)
-        flat = np.concatenate([f.reshape(-1) for f in full])
-        self.meta.all_reduce(flat)  # every piece placed by exactly one rank: sums are exact
-        out, offset = [], 0
-        for f in full:
-            out.append(flat[offset:offset + f.size].reshape(f.shape))
-            offset += f.size
-        return out
+        return all_reduce_arrays(self.meta, full)  # each piece placed by exactly one rank: exact sums
 
 
 def resume(job, out):

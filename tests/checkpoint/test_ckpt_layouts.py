@@ -9,7 +9,6 @@ import pytest
 from ckpt_helpers import cli
 from ringcomm import checkpoint
 from ringcomm.train.config import TrainConfig
-from ringcomm.train.corpus import stdlib_corpus
 from ringcomm.train.trainer import train
 
 pytestmark = pytest.mark.timeout(180)
@@ -21,11 +20,8 @@ MLP = TrainConfig(layers=(16, 32, 24, 5), batch_size=48, samples=480, steps=4, l
 
 
 @pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    corpus = stdlib_corpus(16, max_bytes=1 << 16)
-    path = tmp_path_factory.mktemp("tokens") / "t.npz"
-    np.savez(path, x=corpus.x[:16], y=corpus.y[:16])
-    return str(path)
+def tokens(token_file):
+    return token_file(16)
 
 
 def run(comm, base, changes):

@@ -20,12 +20,8 @@ REL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    """Eight real sequences: full-batch training, so every layout sees the same batches."""
-    corpus = stdlib_corpus(16, max_bytes=1 << 16)
-    path = tmp_path_factory.mktemp("gpt") / "tokens.npz"
-    np.savez(path, x=corpus.x[:8], y=corpus.y[:8])
-    return str(path)
+def tokens(token_file):
+    return token_file(8)
 
 
 def run(comm, data, save, **changes):
