@@ -29,10 +29,14 @@ Format
 Every file is written to a temporary name, flushed, fsynced and renamed, and the directory
 is fsynced. Rank 0 writes the manifest only after gathering every rank's digest, i.e. once
 every rank file is durable; a final broadcast tells every rank the checkpoint is complete.
-A directory without a manifest, or whose files do not match it, is *incomplete*: ``--resume``
-skips it and takes the newest complete one. After a checkpoint is complete, rank 0 keeps it
-and the one before it and deletes the others (manifest first, so that a half-deleted
-directory is never mistaken for a complete one).
+A directory without a manifest is an *unfinished* write; one whose files do not match its
+manifest is *damaged*. ``--resume`` takes the newest complete and intact checkpoint, names
+every newer one it skips and moves the damaged ones into ``D/damaged/``; with checkpoints
+present but none intact it fails, listing them, and changes nothing. After a checkpoint is
+complete, rank 0 keeps it and the one before it, deletes older ones and unfinished writes
+(manifest first, so that a half-deleted directory is never mistaken for a complete one) and
+moves damaged ones aside, never deleting them. A run without ``--resume`` refuses a
+directory that holds checkpoints unless ``--overwrite`` is given.
 
 Resuming with the placement it was saved with (every rank placed as it is now) loads each
 rank's own file. Otherwise (another world size, strategy or mesh) the state is *resharded*:
@@ -51,8 +55,8 @@ import numpy as np
 
 from .checkpoint_files import (  # noqa: F401 - part of this module's interface
     FORMAT, KEEP, MANIFEST, VERSION, CheckpointError, Entry, _remove_stale_temporaries, fsync_dir,
-    load_npz, newest_complete, npz_bytes, prune, resolve, scan, sha256_file, step_dir, verify,
-    write_durable)
+    find_resumable, load_npz, move_aside, newest_complete, npz_bytes, prune, remove_checkpoint, resolve, scan,
+    sha256_file, step_dir, verify, write_durable)
 from .checkpoint_layout import Placement, assemble, decode, encode, full_flat, layout_record, local_pieces, model_order
 from .device import to_host
 
@@ -169,9 +173,10 @@ def save(meta, strategy, cfg, step, losses, root):
             status[0], error = 1, e
         if not status[0]:
             try:
-                prune(root, step)
+                for line in prune(root, step):
+                    print(f"ringcomm.checkpoint: {line}", file=sys.stderr)
             except OSError as e:
-                print(f"ringcomm.checkpoint: warning: could not delete old checkpoints: {e}", file=sys.stderr)
+                print(f"ringcomm.checkpoint: warning: could not prune old checkpoints: {e}", file=sys.stderr)
     meta.broadcast(status, root=0)
     if status[0]:
         raise CheckpointError(f"rank 0 could not write the manifest of {path}") from error
@@ -230,21 +235,34 @@ class Resumed:
     path: str
     manifest: dict
     resharded: bool
+    notes: list         # rank 0: damaged or unfinished checkpoints skipped (and where they went)
 
 
 def restore(meta, strategy, cfg, root):
     """Load the newest complete checkpoint in ``root`` into ``strategy`` (called by every
     rank). Returns a :class:`Resumed`, or None when there is none (start fresh)."""
-    chosen, error = np.array([-1], np.int64), None
+    chosen, error, notes = np.array([-1], np.int64), None, []
     if meta.rank == 0:
         try:
-            entry = newest_complete(root)
-            chosen[0] = -1 if entry is None else entry.step
+            entry, damaged, unfinished = find_resumable(root)
+            if entry is None and (damaged or unfinished):
+                listed = "; ".join(f"{os.path.basename(e.path)}: {e.reason}" for e in damaged + unfinished)
+                chosen[0], error = -3, CheckpointError(
+                    f"--resume: {root} holds checkpoints but none is complete and intact ({listed}); "
+                    f"nothing was changed")
+            else:
+                chosen[0] = -1 if entry is None else entry.step
+                for e in damaged:  # newer than the one resumed: moved aside, never deleted
+                    notes.append(f"skipped damaged checkpoint {e.path} ({e.reason}); moved it to "
+                                 f"{move_aside(root, e.path)}")
+                notes += [f"skipped {e.path} ({e.reason}: a write that never finished)" for e in unfinished]
         except OSError as e:  # tell the other ranks instead of leaving them waiting
             chosen[0], error = -2, e
     meta.broadcast(chosen, root=0)  # every rank resumes from the one rank 0 verified
     if chosen[0] == -2:
         raise CheckpointError(f"rank 0 could not look for checkpoints in {root}") from error
+    if chosen[0] == -3:
+        raise error or CheckpointError(f"--resume: rank 0 found checkpoints in {root} but none complete and intact")
     if chosen[0] < 0:
         return None
     path = step_dir(root, int(chosen[0]))
@@ -285,7 +303,7 @@ def restore(meta, strategy, cfg, root):
             raise CheckpointError(f"another rank could not reshard {path}")
     strategy.load_state(state)
     strategy.scaler.load_state(scaler)
-    return Resumed(int(chosen[0]), [float(x) for x in losses], path, manifest, resharded)
+    return Resumed(int(chosen[0]), [float(x) for x in losses], path, manifest, resharded, notes)
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 
 FORMAT, VERSION = "ringcomm-checkpoint", 1
 MANIFEST = "manifest.json"
+DAMAGED = "damaged"  # where damaged checkpoints are moved, inside the checkpoint directory
 KEEP = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -162,8 +163,9 @@ def resolve(path):
     return entry
 
 
-def _remove(path):
-    """Delete a checkpoint directory, manifest first."""
+def remove_checkpoint(path):
+    """Delete a checkpoint directory, manifest first (a half-deleted one is never taken for a
+    complete one)."""
     manifest = os.path.join(path, MANIFEST)
     if os.path.exists(manifest):
         os.unlink(manifest)
@@ -181,16 +183,58 @@ def _remove_stale_temporaries(path, names):
             os.unlink(os.path.join(path, file))
 
 
+def move_aside(root, path):
+    """Move a damaged checkpoint directory into ``root/damaged/`` (never deleted: what is left
+    of it may still be wanted); returns where it went."""
+    aside = os.path.join(root, DAMAGED)
+    os.makedirs(aside, exist_ok=True)
+    target = os.path.join(aside, os.path.basename(path))
+    n = 1
+    while os.path.exists(target):
+        target = os.path.join(aside, f"{os.path.basename(path)}.{n}")
+        n += 1
+    os.rename(path, target)
+    fsync_dir(aside)
+    fsync_dir(root)
+    return target
+
+
+def find_resumable(root):
+    """``(entry, damaged, unfinished)``: the newest complete checkpoint in ``root`` (hashes
+    checked; None if there is none), the checkpoints newer than it that have a manifest but
+    fail their checks (damaged), and those without a manifest (writes that never finished),
+    each as an :class:`Entry` with its reason."""
+    damaged, unfinished = [], []
+    for entry in reversed(scan(root, check=False)):
+        manifest, reason = verify(entry.path)
+        if not reason and manifest.get("step") != entry.step:
+            reason = f"manifest says step {manifest.get('step')}"
+        if not reason:
+            return Entry(entry.step, entry.path, True, "", manifest), damaged, unfinished
+        (unfinished if reason == "no manifest" else damaged).append(
+            Entry(entry.step, entry.path, False, reason, manifest))
+    return None, damaged, unfinished
+
+
 def prune(root, current, keep=KEEP):
     """After step ``current`` is complete: keep it and the newest complete checkpoints before
-    it (``keep`` in all); delete older or incomplete ones, and any with a later step (left by
-    an earlier run or attempt: not part of this run's history)."""
-    kept = 0
+    it (``keep`` in all); delete older complete ones and unfinished writes (no manifest), and
+    any with a later step (left by an earlier attempt: not part of this run's history); move
+    damaged ones (a manifest their files no longer match) aside into ``root/damaged/``.
+    Returns a line for each directory removed or moved."""
+    kept, said = 0, []
     for entry in reversed(scan(root, check=False)):
         if entry.step == current:
             kept += 1
-        elif entry.step < current and kept < keep and entry.complete and not verify(entry.path)[1]:
+            continue
+        manifest, reason = verify(entry.path) if entry.complete else (None, entry.reason)
+        if not reason and entry.step < current and kept < keep:
             kept += 1
+        elif reason and reason != "no manifest":
+            said.append(f"moved damaged checkpoint {entry.path} ({reason}) to {move_aside(root, entry.path)}")
         else:
-            _remove(entry.path)
+            remove_checkpoint(entry.path)
+            if reason:
+                said.append(f"removed {entry.path}: {reason} (a write that never finished)")
     fsync_dir(root)
+    return said

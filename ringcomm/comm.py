@@ -40,6 +40,10 @@ ALGORITHMS = ("auto", "ring", "ps", "rd")
 
 
 def _check_array(x, name, writable=True, device=None):
+    if isinstance(x, np.ndarray) and type(x) not in (np.ndarray, np.memmap):
+        # a masked array's mask, a matrix's 2-D rules: a subclass means more than its bytes
+        raise TypeError(f"{name} must be a plain numpy array, got {type(x).__module__}.{type(x).__name__} "
+                        f"(np.asarray(x) gives the plain array of its data)")
     if not isinstance(x, np.ndarray) and not (device is not None and device.is_array(x)):
         raise TypeError(f"{name} must be a numpy array{' or a CuPy array on this device' if device and device.kind == 'gpu' else ''}, "
                         f"got {type(x).__name__}")

@@ -17,6 +17,7 @@ through ZeroMQ), ``RINGCOMM_SHM_SLOTS`` (slots per lane, default 4; see
 :mod:`ringcomm.transport.shm`).
 """
 import hashlib
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -117,8 +118,8 @@ def validate(info):
         raise ValueError(f"local rank {info.local_rank} is outside local world size {info.local_world_size}")
     if not 0 <= info.master_port <= 65535:
         raise ValueError(f"MASTER_PORT {info.master_port} is not a TCP port")
-    if not info.timeout > 0:  # also rejects NaN
-        raise ValueError(f"timeout must be positive, got {info.timeout}")
+    if not 0 < info.timeout < math.inf:  # also rejects NaN
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {info.timeout}")
     if info.shm_slots < 1:
         raise ValueError(f"RINGCOMM_SHM_SLOTS must be at least 1, got {info.shm_slots}")
     if info.segment_bytes < 1024:

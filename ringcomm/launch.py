@@ -33,7 +33,9 @@ Environment of each worker (on top of the launcher's own):
   launcher's environment if set, else random (single node) or, with several
   nodes, derived from master address and port (a warning asks you to set it).
 
-Workers run as ``sys.executable -u ...``, each in its own session/process group.
+Workers run as ``sys.executable -u ...``, each in its own session/process group. On Linux
+each is killed by the kernel (SIGKILL) when the launcher dies, however it dies: workers never
+outlive their launcher.
 Their stdout and stderr lines are re-emitted as ``[rank R]: line`` on the
 launcher's stdout and stderr respectively.
 
@@ -55,6 +57,7 @@ Examples::
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import os
 import signal
@@ -117,6 +120,24 @@ def _pump(pipe, stream_name: str, prefix: bytes) -> None:
         pipe.close()
 
 
+# Linux: prctl(PR_SET_PDEATHSIG) makes the kernel kill a worker when its launcher dies, even
+# by SIGKILL, so workers never outlive it. Looked up here, in the parent: the forked child
+# only calls it (no imports or allocation between fork and exec).
+PR_SET_PDEATHSIG = 1
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _die_with(parent):
+    def preexec():
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the launcher died before the signal was armed
+            os._exit(1)
+    return preexec
+
+
 @dataclass
 class Worker:
     local_rank: int
@@ -137,7 +158,8 @@ class WorkerGroup:
         cfg, pipe = self.cfg, (subprocess.PIPE if self.cfg.prefix else None)
         env = worker_env(cfg, local_rank, self.restart_count)
         proc = subprocess.Popen(cfg.command(), env=env, stdout=pipe, stderr=pipe,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with(os.getpid()) if _PRCTL is not None else None)
         worker = Worker(local_rank, int(env["RANK"]), proc)
         self.workers.append(worker)
         if cfg.prefix:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import secrets
 import socket
@@ -159,8 +160,8 @@ def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
     if ns.nnodes > 1 and ns.max_restarts > 0:
         parser.error("--max-restarts is not supported with --nnodes > 1 yet "
                      "(restarts cannot be coordinated across hosts)")
-    if ns.timeout is not None and ns.timeout <= 0:
-        parser.error("--timeout must be positive")
+    if ns.timeout is not None and not 0 < ns.timeout < math.inf:  # also NaN and inf
+        parser.error(f"--timeout must be a finite number of seconds > 0, got {ns.timeout}")
 
     addr = ns.master_addr or environ.get("MASTER_ADDR") or "127.0.0.1"
     port, auto_port = ns.master_port, False

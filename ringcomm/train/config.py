@@ -74,6 +74,8 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "save a checkpoint every K steps (and after the last step; 0: only then)",
                                  metavar="K")
     resume: bool = _opt(False, "continue from the newest complete checkpoint in --checkpoint-dir")
+    overwrite: bool = _opt(False, "replace the checkpoints already in --checkpoint-dir (without it, or "
+                           "--resume, a run refuses to start there)")
 
     @property
     def model_parallel(self):
@@ -144,6 +146,9 @@ def validate(cfg, world_size=None):
         raise ValueError("--offload needs --strategy zero1, zero2 or zero3")
     if (cfg.resume or cfg.checkpoint_every) and not cfg.checkpoint_dir:
         raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
+    if cfg.overwrite and (cfg.resume or not cfg.checkpoint_dir):
+        raise ValueError("--overwrite replaces the checkpoints in --checkpoint-dir: it needs --checkpoint-dir "
+                         "and contradicts --resume")
     if cfg.checkpoint_every < 0:
         raise ValueError("--checkpoint-every must be >= 0")
     if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:

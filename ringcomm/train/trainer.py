@@ -85,6 +85,7 @@ class Job:
         # every check that can fail on its own comes before the first byte is sent
         self.cfg = cfg = validate(cfg, comm.world_size)
         self.rank = comm.rank
+        self.replaced = self.check_checkpoint_dir()
         self.dataset = load_data(cfg)
         self.order = datasets.BatchOrder(len(self.dataset.x), cfg.batch_size, cfg.dp, cfg.seed)
         self.mesh = meshes.build(comm, cfg.dp, cfg.cp, cfg.pp, cfg.tp, tied=cfg.model == "gpt")
@@ -104,6 +105,19 @@ class Job:
         self.watch = PeakWatch(enabled=self.xp is np)
         self.runner = StepRunner(self.stage, self.strategy, self.mesh, cfg, self.tracer)
         self.denominator = cfg.batch_size * self.stage.seq_len
+
+    def check_checkpoint_dir(self):
+        """The checkpoints a fresh run would replace: refused unless ``--overwrite``."""
+        cfg = self.cfg
+        if not cfg.checkpoint_dir or cfg.resume:
+            return []
+        existing = checkpoint.scan(cfg.checkpoint_dir, check=False)
+        if existing and not cfg.overwrite:
+            names = ", ".join(os.path.basename(e.path) for e in existing)
+            raise checkpoint.CheckpointError(
+                f"--checkpoint-dir {cfg.checkpoint_dir} already holds checkpoints ({names}): --resume to "
+                f"continue from them, or --overwrite to replace them")
+        return existing
 
     def placement(self):
         """Where this rank's parameters sit in the whole model, for checkpoints."""
@@ -151,6 +165,8 @@ def resume(job, out):
             out(f"ringcomm.train: resuming from {resumed.path} (step {resumed.step}{how})")
             for warning in checkpoint.check_compatible(m, cfg):
                 out(f"ringcomm.train: warning: {warning} when the checkpoint was saved")
+            for note in resumed.notes:
+                out(f"ringcomm.train: warning: {note}")
     if resumed is None:
         return 0, []
     if resumed.step > cfg.steps:
@@ -181,6 +197,9 @@ def train(comm, cfg, out=print):
     cfg, mesh, strategy, runner = job.cfg, job.mesh, job.strategy, job.runner
     if job.rank == 0:
         out(report.banner(job))
+        for entry in job.replaced:  # --overwrite: every rank has checked the directory by now
+            checkpoint.remove_checkpoint(entry.path)
+            out(f"ringcomm.train: --overwrite: removed {entry.path}")
     first, losses = resume(job, out)
     groups = report.dimension_groups(mesh)
     for group in groups.values():

@@ -23,6 +23,8 @@ def misuse(comm):
         "unsupported dtype": lambda: comm.all_reduce(np.ones(3, np.complex64)),
         "bool dtype": lambda: comm.all_reduce(np.ones(3, bool)),
         "not an array": lambda: comm.all_reduce([1.0, 2.0]),
+        "masked array": lambda: comm.all_reduce(np.ma.masked_array(np.ones(3, np.float32), mask=[0, 1, 0])),
+        "matrix": lambda: comm.broadcast(np.asmatrix(np.ones((2, 2), np.float32))),
         "non-contiguous": lambda: comm.all_reduce(np.ones((4, 4), np.float32)[:, 1]),
         "read-only": lambda: comm.all_reduce(np.frombuffer(b"\0" * 16, np.float32)),
         "root too big": lambda: comm.broadcast(x, root=n),
@@ -55,6 +57,7 @@ def test_local_misuse_raises_before_sending(pools, n):
     for raised, unchanged, y in pools(n).run(misuse):
         assert all(raised.values()), f"no error for: {[k for k, v in raised.items() if v is None]}"
         assert raised["unsupported dtype"] == "TypeError" and raised["avg on int"] == "TypeError"
+        assert raised["masked array"] == raised["matrix"] == "TypeError"
         assert raised["out too small"] == "ValueError" and raised["root too big"] == "ValueError"
         assert unchanged, "a rejected call sent or counted something"
         assert y == sum(range(n)), "the communicator is unusable after misuse"

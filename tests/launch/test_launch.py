@@ -338,3 +338,39 @@ def test_multinode_secret_is_deterministic(monkeypatch):
     a, b = launch.parse_args(argv), launch.parse_args(argv)
     assert a.secret == b.secret and len(a.secret) == 32
     assert launch.parse_args(argv[:-1] + ["1235"]).secret != a.secret
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-3"])
+def test_timeout_must_be_finite_and_positive(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        launch.parse_args(["--nproc", "2", "--timeout", value])
+    assert exc.value.code == 2
+    assert "--timeout must be a finite number of seconds > 0" in capsys.readouterr().err
+
+
+def test_workers_do_not_outlive_a_sigkilled_launcher(tmp_path):
+    """The launcher cannot clean up after SIGKILL; the kernel's parent-death signal ends its
+    workers (a worker that ignores SIGTERM too) within a second."""
+    script = write_script(tmp_path, """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(sys.argv[1] + os.environ["RANK"], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "ringcomm.launch", "--nproc", "2", str(script),
+                             str(tmp_path / "pid")], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        pids = wait_for_files([tmp_path / "pid0", tmp_path / "pid1"])
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not all(pid_gone(p) for p in pids):
+            time.sleep(0.02)
+        assert all(pid_gone(p) for p in pids), "workers outlived their launcher"
+    finally:
+        proc.kill()
+        for p in locals().get("pids", []):
+            if not pid_gone(p):
+                os.kill(p, signal.SIGKILL)

@@ -221,7 +221,7 @@ def test_validate_world_without_master_port():
         env.validate(env.from_environ({"RANK": "0", "WORLD_SIZE": "2"}))
 
 
-@pytest.mark.parametrize("timeout", [0.0, -1.0, -math.inf])
+@pytest.mark.parametrize("timeout", [0.0, -1.0, -math.inf, math.inf])
 def test_validate_bad_timeout(timeout):
     with pytest.raises(ValueError, match="timeout"):
         env.validate(job(timeout=timeout))
