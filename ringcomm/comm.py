@@ -35,6 +35,7 @@ from .engine import Deferred
 from .errors import CollectiveMismatch, CommError, SignatureMismatch
 from .link import HOST, Link, Stats
 from .ops import parse_op
+from .threads import ThreadGuard
 
 ALGORITHMS = ("auto", "ring", "ps", "rd")
 
@@ -87,6 +88,7 @@ class Communicator:
         self._local = None  # see the `local` property
         self._stats = Stats()
         self._closed = False
+        self._threads = ThreadGuard(name)
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x, op="sum", algorithm="auto", async_op=False):
@@ -337,6 +339,15 @@ class Communicator:
         """Queue ``body(link)`` on the communication thread as one collective call.
         ``staged``: an array of the call; a device array makes the link stage segments."""
         self._check_open()
+        user = self._threads.enter(collective)
+        work = None
+        try:
+            work = self._queue(collective, body, dtype, count, op, algorithm, root, async_op, result, p2p, staged)
+            return work if async_op else work.wait()
+        finally:
+            self._threads.leave(user, work if async_op else None)
+
+    def _queue(self, collective, body, dtype, count, op, algorithm, root, async_op, result, p2p, staged):
         device = self._device if self._device.staged and staged is not None and \
             self._device.is_array(staged) else HOST
         sig = signature.pack(collective, dtype, op, algorithm, root, count)
@@ -388,7 +399,7 @@ class Communicator:
             work = engine.submit(run, what, inline=not async_op)
         if work.inline:  # outside engine.lock: other threads may queue behind it meanwhile
             engine.run_inline(work)
-        return work if async_op else work.wait()
+        return work
 
     def _mismatch(self, what, exc):
         return CollectiveMismatch(

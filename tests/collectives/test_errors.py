@@ -5,6 +5,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import ringcomm
 from harness import spawn_job
 from ringcomm import CollectiveMismatch
 
@@ -198,3 +199,55 @@ CLOSED = textwrap.dedent("""
 def test_use_after_close():
     for code, out, err in spawn_job(CLOSED, 2, timeout=30):
         assert code == 0 and "closed: world: communicator is closed" in out, err
+
+
+def two_threads(comm):
+    """Rank 0: a thread blocks in recv while the main thread tries an all-reduce on the same
+    communicator, which must be refused before sending; rank 1 sends after a pause."""
+    import threading
+    import time
+    buf = np.zeros(4, np.float32)
+    if comm.rank == 1:
+        time.sleep(0.5)
+        comm.send(np.arange(4, dtype=np.float32), 0)
+        refused, unchanged = None, True
+    else:
+        receiver = threading.Thread(target=comm.recv, args=(buf, 1))
+        receiver.start()
+        time.sleep(0.1)
+        before = comm.stats()
+        try:
+            comm.all_reduce(np.ones(4, np.float32))
+            refused = None
+        except ringcomm.CommError as exc:
+            refused = str(exc)
+        unchanged = comm.stats() == before
+        receiver.join(10)
+        pending = comm.all_reduce(np.ones(2, np.float32), async_op=True)  # claims it until done
+        other = []
+        thread = threading.Thread(target=lambda: other.append(_try(comm.barrier)))
+        thread.start()
+        thread.join(10)
+        pending.wait()
+        refused = (refused, other[0])
+    if comm.rank == 1:
+        comm.all_reduce(np.ones(2, np.float32))
+    y = np.full(3, comm.rank + 1.0, np.float32)
+    comm.all_reduce(y)  # one thread after another is fine
+    return refused, unchanged, buf.tolist(), float(y[0])
+
+
+def _try(call):
+    try:
+        call()
+        return None
+    except ringcomm.CommError as exc:
+        return str(exc)
+
+
+def test_concurrent_use_from_two_threads_is_refused_before_sending(pools):
+    (refused, unchanged, got, y), (_, _, _, y1) = pools(2).run(two_threads)
+    blocking, async_pending = refused
+    assert blocking and "called from one thread while another has a collective in progress" in blocking
+    assert async_pending and "barrier called from one thread" in async_pending
+    assert unchanged and got == [0.0, 1.0, 2.0, 3.0] and y == y1 == 3.0
