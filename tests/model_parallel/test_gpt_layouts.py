@@ -228,3 +228,33 @@ def test_copies_of_a_parameter_stay_bitwise_equal(pools, tokens, changes):
             seen.setdefault(name, set()).add(sha)
     assert all(len(shas) == 1 for shas in seen.values()), {k: len(v) for k, v in seen.items() if len(v) > 1}
     assert {"b1", "b3"} <= set(seen) if changes.get("model") == "mlp" else all("wte" in mine for mine in per_rank)
+
+
+def overflowing(comm, data, **changes):
+    """Train with a loss scale far too large for fp16 (2^30, doubling every 2 clean steps):
+    steps overflow, are skipped and the scale halves, on whichever rank overflows."""
+    import functools
+
+    from ringcomm.train import strategy as strategy_module
+    from ringcomm.train.optim import LossScaler
+    original = strategy_module.LossScaler
+    strategy_module.LossScaler = functools.partial(LossScaler, initial=2.0 ** 30, window=2, hysteresis=1)
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            doc, _ = train(comm, dataclasses.replace(BASE, data=data, precision="fp16", **changes),
+                           out=lambda *a: None)
+    finally:
+        strategy_module.LossScaler = original
+    return doc
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2, tp=2), dict(cp=2, tp=2, sp=True, strategy="zero2")],
+                         ids=["pp2tp2", "cp2tp2sp-zero2"])
+def test_fp16_overflow_is_agreed_by_every_rank(pools, tokens, layout):
+    docs = pools(4).run(overflowing, tokens, steps=20, optimizer="adam", lr=3e-3, **layout)
+    skipped = {d["skipped_steps"] for d in docs}
+    scales = {d["loss_scale"] for d in docs}
+    assert len(skipped) == 1 and len(scales) == 1, (skipped, scales)
+    assert 0 < skipped.pop() < 20 and scales.pop() < 2.0 ** 30
+    assert len({d["param_sha256"] for d in docs}) == 1
+    assert all(np.isfinite(d["losses"]).all() for d in docs) and docs[0]["losses"][-1] < docs[0]["losses"][0]
