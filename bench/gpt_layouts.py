@@ -46,7 +46,7 @@ def run(nproc, extra, steps, batch):
     return {"step_ms": 1e3 * max(r["step_time_s"] for r in rows),
             "saved_kib": max(r["saved_activation_bytes"] for r in rows) / 1024,
             "formula_kib": max(r["activation_formula_bytes"] for r in rows) / 1024,
-            "peak_kib": max(r["peak_activation_bytes"] for r in rows) / 1024,
+            "peak_kib": max(r["peak_activation_bytes"] or 0 for r in rows) / 1024,
             **{f"{d}_kib": max(r[f"{d}_bytes_sent_per_step"] for r in rows) / 1024 for d in DIMS},
             **{f"{d}_formula_kib": max(r[f"{d}_bytes_predicted_per_step"] for r in rows) / 1024 for d in DIMS},
             "cp_compute_ms": 1e3 * statistics.mean(r["cp_compute_s_per_step"] for r in rows),

@@ -33,7 +33,7 @@ def run(pp, m, sched, steps):
     rows = doc["per_rank"]
     return {"schedule": sched, "micro_batches": m, "step_time_s": statistics.median(r["step_time_s"] for r in rows),
             "idle": statistics.mean(r["bubble_fraction"] for r in rows), "formula": rows[0]["bubble_formula"],
-            "peak_activation_bytes": max(r["peak_activation_bytes"] for r in rows)}
+            "peak_activation_bytes": max(r["peak_activation_bytes"] or 0 for r in rows)}
 
 
 def main(argv=None):

@@ -32,7 +32,8 @@ every rank file is durable; a final broadcast tells every rank the checkpoint is
 A directory without a manifest is an *unfinished* write; one whose files do not match its
 manifest is *damaged*. ``--resume`` takes the newest complete and intact checkpoint, names
 every newer one it skips and moves the damaged ones into ``D/damaged/``; with checkpoints
-present but none intact it fails, listing them, and changes nothing. After a checkpoint is
+present but none intact it fails, listing them, and changes nothing (writes that never
+finished, without a manifest, were never checkpoints: with only those it starts fresh). After a checkpoint is
 complete, rank 0 keeps it and the one before it, deletes older ones and unfinished writes
 (manifest first, so that a half-deleted directory is never mistaken for a complete one) and
 moves damaged ones aside, never deleting them. A run without ``--resume`` refuses a
@@ -175,8 +176,8 @@ def save(meta, strategy, cfg, step, losses, root):
             try:
                 for line in prune(root, step):
                     print(f"ringcomm.checkpoint: {line}", file=sys.stderr)
-            except OSError as e:
-                print(f"ringcomm.checkpoint: warning: could not prune old checkpoints: {e}", file=sys.stderr)
+            except Exception as e:  # noqa: BLE001 - the checkpoint is complete; the others wait
+                print(f"ringcomm.checkpoint: warning: could not prune old checkpoints: {e!r}", file=sys.stderr)
     meta.broadcast(status, root=0)
     if status[0]:
         raise CheckpointError(f"rank 0 could not write the manifest of {path}") from error
@@ -245,7 +246,7 @@ def restore(meta, strategy, cfg, root):
     if meta.rank == 0:
         try:
             entry, damaged, unfinished = find_resumable(root)
-            if entry is None and (damaged or unfinished):
+            if entry is None and damaged:  # unfinished writes alone were never checkpoints
                 listed = "; ".join(f"{os.path.basename(e.path)}: {e.reason}" for e in damaged + unfinished)
                 chosen[0], error = -3, CheckpointError(
                     f"--resume: {root} holds checkpoints but none is complete and intact ({listed}); "
@@ -256,7 +257,7 @@ def restore(meta, strategy, cfg, root):
                     notes.append(f"skipped damaged checkpoint {e.path} ({e.reason}); moved it to "
                                  f"{move_aside(root, e.path)}")
                 notes += [f"skipped {e.path} ({e.reason}: a write that never finished)" for e in unfinished]
-        except OSError as e:  # tell the other ranks instead of leaving them waiting
+        except Exception as e:  # noqa: BLE001 - tell the other ranks instead of leaving them waiting
             chosen[0], error = -2, e
     meta.broadcast(chosen, root=0)  # every rank resumes from the one rank 0 verified
     if chosen[0] == -2:

@@ -101,17 +101,20 @@ def verify(path):
         return None, "no manifest"
     except (OSError, ValueError) as e:
         return None, f"unreadable manifest ({e})"
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         return None, f"not a {FORMAT} v{VERSION} manifest"
-    files = manifest.get("files", {})
-    if len(files) != manifest.get("world_size"):
-        return manifest, "manifest lists the wrong number of rank files"
-    for name, info in files.items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return manifest, f"{name} is missing"
-        if os.path.getsize(file) != info["bytes"] or sha256_file(file) != info["sha256"]:
-            return manifest, f"{name} does not match its sha256"
+    try:
+        files = manifest.get("files", {})
+        if len(files) != manifest.get("world_size"):
+            return manifest, "manifest lists the wrong number of rank files"
+        for name, info in files.items():
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                return manifest, f"{name} is missing"
+            if os.path.getsize(file) != info["bytes"] or sha256_file(file) != info["sha256"]:
+                return manifest, f"{name} does not match its sha256"
+    except (KeyError, TypeError, AttributeError) as e:
+        return manifest if isinstance(manifest, dict) else None, f"malformed manifest ({e!r})"
     return manifest, ""
 
 
@@ -216,21 +219,40 @@ def find_resumable(root):
     return None, damaged, unfinished
 
 
+def _sizes_differ(path):
+    """A cheap check of a checkpoint about to be retired: its manifest reads and its files
+    have the sizes it lists ("" if so, else why not)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+        for name, info in files.items():
+            if os.path.getsize(os.path.join(path, name)) != info["bytes"]:
+                return f"{name} has the wrong size"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable or malformed manifest ({e!r})"
+    return ""
+
+
 def prune(root, current, keep=KEEP):
     """After step ``current`` is complete: keep it and the newest complete checkpoints before
-    it (``keep`` in all); delete older complete ones and unfinished writes (no manifest), and
-    any with a later step (left by an earlier attempt: not part of this run's history); move
-    damaged ones (a manifest their files no longer match) aside into ``root/damaged/``.
+    it (``keep`` in all, hashed); delete older complete ones and unfinished writes (no
+    manifest), and any with a later step (left by an earlier attempt: not part of this run's
+    history); move damaged ones (a manifest their files no longer match: hashes for those
+    kept, sizes for those retired) aside into ``root/damaged/``.
     Returns a line for each directory removed or moved."""
     kept, said = 0, []
     for entry in reversed(scan(root, check=False)):
         if entry.step == current:
             kept += 1
             continue
-        manifest, reason = verify(entry.path) if entry.complete else (None, entry.reason)
-        if not reason and entry.step < current and kept < keep:
-            kept += 1
-        elif reason and reason != "no manifest":
+        if entry.complete and entry.step < current and kept < keep:
+            reason = verify(entry.path)[1]  # hashed: it is kept to resume from
+            if not reason:
+                kept += 1
+                continue
+        else:
+            reason = entry.reason or _sizes_differ(entry.path)
+        if reason and reason != "no manifest":
             said.append(f"moved damaged checkpoint {entry.path} ({reason}) to {move_aside(root, entry.path)}")
         else:
             remove_checkpoint(entry.path)

@@ -234,7 +234,11 @@ class Communicator:
         digest = zlib.crc32(f"{self.comm_id}/{index}/{members}".encode())
         mine = np.array([digest], np.int64)
         everyone = np.empty(self.world_size, np.int64)
-        self.all_gather(everyone, mine)  # all ranks must agree on membership
+        try:
+            self.all_gather(everyone, mine)  # all ranks must agree on membership
+        except CommError:
+            self._groups = index  # refused or failed here: the next try uses the same index
+            raise
         differing = [r for r in range(self.world_size) if everyone[r] != digest]
         if differing:
             raise CollectiveMismatch(f"new_group #{index} on {self.name}: rank {self.rank} asked "
@@ -339,13 +343,14 @@ class Communicator:
         """Queue ``body(link)`` on the communication thread as one collective call.
         ``staged``: an array of the call; a device array makes the link stage segments."""
         self._check_open()
-        user = self._threads.enter(collective)
+        user = self._threads.enter(collective) if p2p is None else None  # see ringcomm.threads
         work = None
         try:
             work = self._queue(collective, body, dtype, count, op, algorithm, root, async_op, result, p2p, staged)
             return work if async_op else work.wait()
         finally:
-            self._threads.leave(user, work if async_op else None)
+            if user is not None:
+                self._threads.leave(user, work if async_op else None)
 
     def _queue(self, collective, body, dtype, count, op, algorithm, root, async_op, result, p2p, staged):
         device = self._device if self._device.staged and staged is not None and \

@@ -121,8 +121,9 @@ def _pump(pipe, stream_name: str, prefix: bytes) -> None:
 
 
 # Linux: prctl(PR_SET_PDEATHSIG) makes the kernel kill a worker when its launcher dies, even
-# by SIGKILL, so workers never outlive it. Looked up here, in the parent: the forked child
-# only calls it (no imports or allocation between fork and exec).
+# by SIGKILL, so workers never outlive it. Looked up here, in the parent, so that the forked
+# child does as little as it can before exec (one foreign call, no import). The signal
+# follows the thread that forks: run() spawns from the thread that calls it.
 PR_SET_PDEATHSIG = 1
 try:
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
@@ -132,7 +133,8 @@ except (OSError, AttributeError):
 
 def _die_with(parent):
     def preexec():
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            os.write(2, b"ringcomm.launch: prctl(PR_SET_PDEATHSIG) failed: this worker may outlive the launcher\n")
         if os.getppid() != parent:  # the launcher died before the signal was armed
             os._exit(1)
     return preexec

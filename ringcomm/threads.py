@@ -1,11 +1,17 @@
-"""One communicator, one thread at a time.
+"""One communicator's collectives, one thread at a time.
 
-Ranks pair collectives by their order on each communicator. Two threads calling collectives
-on one communicator at once could be paired in different orders on different ranks and mix
-their data silently, so a call made while another thread has one in progress (a blocking
-call not yet returned, or an ``async_op`` work not yet complete) raises :class:`CommError`
-before anything is sent. One thread after another is fine; for real concurrency, give each
-thread its own communicator (``new_group``).
+Ranks pair collectives by their order on each communicator, and every rank's communication
+thread runs the collectives of all its communicators one after another in the order they were
+submitted. Two threads issuing collectives at once could be paired in different orders on
+different ranks and mix their data silently, so a collective called while another thread has
+one in progress on the same communicator (a blocking call not yet returned, or an
+``async_op`` work not yet complete) raises :class:`CommError` before anything is sent. The
+refusal is local: a peer whose call was not refused waits for it until its deadline.
+
+What this cannot see, and every program must keep: collectives on all communicators are
+issued in the same order on every rank. The pattern that works is one thread issuing them,
+with ``async_op=True`` for overlap. Point-to-point calls are numbered per peer and tag, and a
+receive does not hold the communication thread, so they are not guarded.
 
 >>> guard = ThreadGuard("world")
 >>> user = guard.enter("all_reduce"); ...; guard.leave(user)

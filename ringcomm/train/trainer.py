@@ -111,7 +111,7 @@ class Job:
         cfg = self.cfg
         if not cfg.checkpoint_dir or cfg.resume:
             return []
-        existing = checkpoint.scan(cfg.checkpoint_dir, check=False)
+        existing = [e for e in checkpoint.scan(cfg.checkpoint_dir, check=False) if e.reason != "no manifest"]
         if existing and not cfg.overwrite:
             names = ", ".join(os.path.basename(e.path) for e in existing)
             raise checkpoint.CheckpointError(

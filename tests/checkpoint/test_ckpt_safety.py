@@ -85,3 +85,27 @@ def test_prune_moves_a_damaged_older_checkpoint_aside(pools, tmp_path):
     assert sorted(os.listdir(ckpt / "damaged")) == ["step_000002"]
     assert any("moved damaged checkpoint" in line and "step_000002" in line for line in lines)
     assert any("removed" in line and "step_000003" in line and "never finished" in line for line in lines)
+
+
+def test_only_unfinished_writes_resume_as_a_fresh_start(pools, tmp_path):
+    """A job killed while writing its first checkpoint left a directory without a manifest:
+    never a checkpoint, so --resume (and a launcher restart) starts from step 0."""
+    ckpt = tmp_path / "ckpt"
+    os.makedirs(ckpt / "step_000004")
+    (ckpt / "step_000004" / "rank0.npz").write_bytes(b"partial")
+    result = pools(2).run(run_train, dict(RUN, checkpoint_dir=str(ckpt), resume=True))[0]
+    assert result["resumed_from_step"] is None
+    assert steps_on_disk(str(ckpt)) == [8]
+
+
+def test_a_malformed_manifest_is_damage_not_a_crash(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    os.makedirs(ckpt / "step_000002")
+    (ckpt / "step_000002" / "manifest.json").write_text(
+        '{"format": "ringcomm-checkpoint", "version": 1, "step": 2, "world_size": 1, "files": {"rank0.npz": {}}}')
+    (ckpt / "step_000002" / "rank0.npz").write_bytes(b"x")
+    entry, damaged, unfinished = checkpoint.find_resumable(str(ckpt))
+    assert entry is None and not unfinished and "malformed manifest" in damaged[0].reason
+    os.makedirs(ckpt / "step_000004")
+    (ckpt / "step_000004" / checkpoint.MANIFEST).write_text("[1, 2]")  # valid JSON, not a manifest
+    assert "not a ringcomm-checkpoint" in checkpoint.verify(str(ckpt / "step_000004"))[1]

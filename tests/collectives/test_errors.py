@@ -202,26 +202,29 @@ def test_use_after_close():
 
 
 def two_threads(comm):
-    """Rank 0: a thread blocks in recv while the main thread tries an all-reduce on the same
-    communicator, which must be refused before sending; rank 1 sends after a pause."""
+    """Rank 0: a thread blocks in an all-reduce (rank 1 joins it late) while the main thread
+    tries another collective on the same communicator, which must be refused before sending;
+    a receive in another thread meanwhile is not a collective and is not refused."""
     import threading
     import time
+    first = np.full(4, comm.rank + 1.0, np.float32)
     buf = np.zeros(4, np.float32)
-    if comm.rank == 1:
-        time.sleep(0.5)
+    if comm.rank == 1:  # late each time, so rank 0's calls are still in progress when tested
+        time.sleep(1.0)
+        comm.all_reduce(first)
         comm.send(np.arange(4, dtype=np.float32), 0)
+        time.sleep(1.0)
         refused, unchanged = None, True
     else:
-        receiver = threading.Thread(target=comm.recv, args=(buf, 1))
-        receiver.start()
+        worker = threading.Thread(target=comm.all_reduce, args=(first,))
+        worker.start()
         time.sleep(0.1)
         before = comm.stats()
-        try:
-            comm.all_reduce(np.ones(4, np.float32))
-            refused = None
-        except ringcomm.CommError as exc:
-            refused = str(exc)
+        refused = _try(lambda: comm.broadcast(np.ones(4, np.float32)))
         unchanged = comm.stats() == before
+        receiver = threading.Thread(target=comm.recv, args=(buf, 1))
+        receiver.start()  # point-to-point: allowed beside the collective
+        worker.join(10)
         receiver.join(10)
         pending = comm.all_reduce(np.ones(2, np.float32), async_op=True)  # claims it until done
         other = []
@@ -234,7 +237,7 @@ def two_threads(comm):
         comm.all_reduce(np.ones(2, np.float32))
     y = np.full(3, comm.rank + 1.0, np.float32)
     comm.all_reduce(y)  # one thread after another is fine
-    return refused, unchanged, buf.tolist(), float(y[0])
+    return refused, unchanged, buf.tolist(), float(first[0]), float(y[0])
 
 
 def _try(call):
@@ -246,8 +249,8 @@ def _try(call):
 
 
 def test_concurrent_use_from_two_threads_is_refused_before_sending(pools):
-    (refused, unchanged, got, y), (_, _, _, y1) = pools(2).run(two_threads)
+    (refused, unchanged, got, first, y), (_, _, _, first1, y1) = pools(2).run(two_threads)
     blocking, async_pending = refused
-    assert blocking and "called from one thread while another has a collective in progress" in blocking
+    assert blocking and "broadcast called from one thread while another has a collective in progress" in blocking
     assert async_pending and "barrier called from one thread" in async_pending
-    assert unchanged and got == [0.0, 1.0, 2.0, 3.0] and y == y1 == 3.0
+    assert unchanged and got == [0.0, 1.0, 2.0, 3.0] and first == first1 == 3.0 and y == y1 == 3.0
