@@ -91,9 +91,9 @@ class Entry:
     manifest: dict = None     # when readable
 
 
-def verify(path):
+def verify(path, hashes=True):
     """``(manifest, "")`` if the checkpoint in ``path`` is complete, else ``(manifest or None,
-    reason)``."""
+    reason)``. ``hashes=False`` checks the files' sizes only (cheap)."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
@@ -111,8 +111,8 @@ def verify(path):
             file = os.path.join(path, name)
             if not os.path.isfile(file):
                 return manifest, f"{name} is missing"
-            if os.path.getsize(file) != info["bytes"] or sha256_file(file) != info["sha256"]:
-                return manifest, f"{name} does not match its sha256"
+            if os.path.getsize(file) != info["bytes"] or (hashes and sha256_file(file) != info["sha256"]):
+                return manifest, f"{name} does not match its {'sha256' if hashes else 'size'}"
     except (KeyError, TypeError, AttributeError) as e:
         return manifest if isinstance(manifest, dict) else None, f"malformed manifest ({e!r})"
     return manifest, ""
@@ -143,13 +143,8 @@ def scan(root, check=True):
 
 
 def newest_complete(root):
-    """The newest complete checkpoint in ``root`` (hashes checked), or None. Checks from the
-    newest down and stops at the first complete one."""
-    for entry in reversed(scan(root, check=False)):
-        manifest, reason = verify(entry.path)
-        if not reason and manifest.get("step") == entry.step:
-            return Entry(entry.step, entry.path, True, "", manifest)
-    return None
+    """The newest complete checkpoint in ``root`` (hashes checked), or None."""
+    return find_resumable(root)[0]
 
 
 def resolve(path):
@@ -219,20 +214,6 @@ def find_resumable(root):
     return None, damaged, unfinished
 
 
-def _sizes_differ(path):
-    """A cheap check of a checkpoint about to be retired: its manifest reads and its files
-    have the sizes it lists ("" if so, else why not)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            files = json.load(f)["files"]
-        for name, info in files.items():
-            if os.path.getsize(os.path.join(path, name)) != info["bytes"]:
-                return f"{name} has the wrong size"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"unreadable or malformed manifest ({e!r})"
-    return ""
-
-
 def prune(root, current, keep=KEEP):
     """After step ``current`` is complete: keep it and the newest complete checkpoints before
     it (``keep`` in all, hashed); delete older complete ones and unfinished writes (no
@@ -251,7 +232,7 @@ def prune(root, current, keep=KEEP):
                 kept += 1
                 continue
         else:
-            reason = entry.reason or _sizes_differ(entry.path)
+            reason = entry.reason or verify(entry.path, hashes=False)[1]
         if reason and reason != "no manifest":
             said.append(f"moved damaged checkpoint {entry.path} ({reason}) to {move_aside(root, entry.path)}")
         else:

@@ -40,10 +40,6 @@ class Mesh:
         return "×".join(f"{k}{getattr(self, k)}" for k in DIMS)
 
     @property
-    def data_size(self):
-        return self.dp * self.cp
-
-    @property
     def data_rank(self):
         return self.d * self.cp + self.c
 

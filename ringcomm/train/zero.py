@@ -46,6 +46,9 @@ class Zero(Strategy):
     # -- state ----------------------------------------------------------------------------
     def setup(self, params):
         lay, r = self.layout, self.rank
+        of = lay.unit_of_param  # each layer's units, once: looked up on every layer's path
+        self._units_of_layer = [sorted({of[p].index: of[p] for p in members}.values(), key=lambda u: u.index)
+                                for members in self.members]
         full = lay.pack(params, self.dtype)
         if self.sharded("params"):
             self.param_shard = self.reg.alloc("params", "param shard", lay.shard_total, self.dtype)
@@ -91,8 +94,8 @@ class Zero(Strategy):
         return [views[p] for p in self.members[i]]
 
     def _layer_units(self, i):
-        units = {self.layout.unit_of_param[p].index: self.layout.unit_of_param[p] for p in self.members[i]}
-        return [units[k] for k in sorted(units)]
+        """The units layer i's parameters live in, in unit order."""
+        return self._units_of_layer[i]
 
     def _gather(self, unit):
         if unit.index in self._gathered:
