@@ -10,13 +10,13 @@ Read from the environment that a launcher leaves, in this order:
 ``MASTER_ADDR`` (default 127.0.0.1) and ``MASTER_PORT`` name rank 0's rendezvous. Settings:
 ``RINGCOMM_TIMEOUT`` (seconds, default 300), ``RINGCOMM_SEGMENT_BYTES`` (default 4 MiB when
 every rank shares this host's shared-memory lanes, else 1 MiB), ``RINGCOMM_SECRET`` (the job
-secret; ``ringcomm.launch`` generates one), ``RINGCOMM_TRANSPORT=tcp`` (TCP even between
+secret; see :mod:`ringcomm.secret` for where it comes from otherwise), ``RINGCOMM_JOB_ID``
+(names the launch; see :func:`job_id`), ``RINGCOMM_TRANSPORT=tcp`` (TCP even between
 ranks of one host), ``RINGCOMM_ENCRYPT=1`` (CURVE encryption of every peer connection; see
 :mod:`ringcomm.transport.security`), ``RINGCOMM_SHM=0`` (no shared-memory lanes: every byte
 through ZeroMQ), ``RINGCOMM_SHM_SLOTS`` (slots per lane, default 4; see
 :mod:`ringcomm.transport.shm`).
 """
-import hashlib
 import math
 import os
 import re
@@ -49,6 +49,8 @@ class JobInfo:
     timeout: float = DEFAULT_TIMEOUT
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     secret: str = ""
+    secret_file: str = ""  # made by this rank to share the secret; removed once all joined
+    job: str = ""          # names this launch at the rendezvous (see job_id)
     force_tcp: bool = False
     encrypt: bool = False
     shared_memory: bool = True  # same-host segments through /dev/shm lanes
@@ -66,6 +68,17 @@ def _int(environ, name, default=None):
     if not match:
         raise ValueError(f"environment variable {name}={value!r} is not a non-negative integer")
     return int(match.group(1))
+
+
+def job_id(environ):
+    """A name for this launch that every rank of it shares: ``RINGCOMM_JOB_ID``, or what the
+    launcher says (torchrun's run id, SLURM's job and step, Open MPI's namespace), with the
+    restart round. A rank of another launch on the same port is refused at the rendezvous."""
+    parts = [environ.get("RINGCOMM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID") or
+             environ.get("PMIX_NAMESPACE") or environ.get("OMPI_MCA_ess_base_jobid") or "",
+             environ.get("SLURM_JOB_ID", ""), environ.get("SLURM_STEP_ID", ""),
+             environ.get("TORCHELASTIC_RESTART_COUNT") or environ.get("RINGCOMM_RESTART_COUNT") or ""]
+    return ":".join(parts).strip(":")
 
 
 def default_segment_bytes(info):
@@ -98,8 +111,8 @@ def from_environ(environ=None):
     info.shared_memory = environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
     info.shm_slots = _int(environ, "RINGCOMM_SHM_SLOTS", 4)
     info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES", default_segment_bytes(info))
-    info.secret = environ.get("RINGCOMM_SECRET") or hashlib.sha256(
-        f"ringcomm:{info.master_addr}:{info.master_port}".encode()).hexdigest()[:32]
+    info.secret = environ.get("RINGCOMM_SECRET", "")  # else ringcomm.secret.resolve at init
+    info.job = job_id(environ)
     info.encrypt = environ.get("RINGCOMM_ENCRYPT", "").lower() in ("1", "true", "yes", "on")
     return info
 

@@ -29,9 +29,11 @@ Environment of each worker (on top of the launcher's own):
   LOCAL_WORLD_SIZE = nproc, GROUP_RANK = node_rank, MASTER_ADDR, MASTER_PORT,
   TORCHELASTIC_RESTART_COUNT and RINGCOMM_RESTART_COUNT (attempt number, from 0),
   PYTHONUNBUFFERED=1, OMP_NUM_THREADS=1 (only if nproc > 1 and it is not set),
-  RINGCOMM_TIMEOUT (only with --timeout), RINGCOMM_DEVICE (only with --device), and RINGCOMM_SECRET: taken from the
-  launcher's environment if set, else random (single node) or, with several
-  nodes, derived from master address and port (a warning asks you to set it).
+  RINGCOMM_TIMEOUT (only with --timeout), RINGCOMM_DEVICE (only with --device),
+  RINGCOMM_JOB_ID (from the launcher's environment, else random on one node), and
+  RINGCOMM_SECRET: from the launcher's RINGCOMM_SECRET or RINGCOMM_SECRET_FILE, else random
+  on one node; with several nodes one of them is required (RINGCOMM_INSECURE=1 accepts a
+  secret derived from the master address and port, with a warning).
 
 Workers run as ``sys.executable -u ...``, each in its own session/process group. On Linux
 each is killed by the kernel (SIGKILL) when the launcher dies, however it dies: workers never

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
 import secrets
@@ -16,6 +15,8 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
+
+from . import secret as job_secret
 
 DEFAULT_MODULE = "ringcomm.train"
 DEFAULT_ARGS = ("--main-job",)
@@ -63,6 +64,7 @@ class LaunchConfig:
     module: str | None = DEFAULT_MODULE
     args: list[str] = field(default_factory=list)
     secret: str = ""
+    job_id: str = ""  # names this launch at the rendezvous (RINGCOMM_JOB_ID)
 
     @property
     def world_size(self) -> int:
@@ -175,19 +177,25 @@ def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
         port = free_port(addr) if auto_port else DEFAULT_MULTINODE_PORT
 
     secret = environ.get("RINGCOMM_SECRET", "")
+    if not secret and environ.get("RINGCOMM_SECRET_FILE"):
+        try:
+            secret = job_secret.from_file(environ["RINGCOMM_SECRET_FILE"])
+        except ValueError as exc:
+            parser.error(str(exc))
     if not secret and ns.nnodes == 1:
         secret = secrets.token_hex(16)
+    elif not secret and job_secret.insecure(environ):
+        secret = job_secret.derived(addr, port)
+        log(f"warning: {job_secret.INSECURE_WARNING}")
     elif not secret:
-        secret = hashlib.sha256(f"ringcomm:{addr}:{port}".encode()).hexdigest()[:32]
-        log("warning: RINGCOMM_SECRET is not set; using a secret derived from the "
-            "master address and port. Set RINGCOMM_SECRET (same value on every "
-            "node) to protect a multi-node job.")
+        parser.error(job_secret.missing_secret_message(f"--nnodes {ns.nnodes} spans several hosts"))
 
     return LaunchConfig(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
                         master_addr=addr, master_port=port, auto_port=auto_port,
                         max_restarts=ns.max_restarts, timeout=ns.timeout, device=ns.device,
                         prefix=ns.prefix, script=script, module=module, args=args,
-                        secret=secret)
+                        secret=secret, job_id=environ.get("RINGCOMM_JOB_ID") or
+                        (secrets.token_hex(8) if ns.nnodes == 1 else ""))
 
 
 def worker_env(cfg: LaunchConfig, local_rank: int, restart_count: int = 0,
@@ -205,6 +213,7 @@ def worker_env(cfg: LaunchConfig, local_rank: int, restart_count: int = 0,
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "RINGCOMM_RESTART_COUNT": str(restart_count),
         "RINGCOMM_SECRET": cfg.secret,
+        "RINGCOMM_JOB_ID": cfg.job_id,
         "PYTHONUNBUFFERED": "1",
     })
     if cfg.nproc > 1 and "OMP_NUM_THREADS" not in env:

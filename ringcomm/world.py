@@ -4,6 +4,7 @@ import dataclasses
 import os
 
 from . import env
+from . import secret as job_secret
 from .comm import Communicator
 from .device import select as select_device
 from .engine import Engine
@@ -19,7 +20,8 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     ``srun``, see :mod:`ringcomm.env`); keyword arguments override it. ``timeout`` (seconds,
     default ``RINGCOMM_TIMEOUT`` or 300) bounds every wait. ``encrypt`` (default
     ``RINGCOMM_ENCRYPT``) turns on CURVE encryption of every peer connection; either way a
-    peer must prove the job secret (``RINGCOMM_SECRET``). ``device``: ``"auto"`` (default,
+    peer must prove the job secret (``RINGCOMM_SECRET``; :mod:`ringcomm.secret` says where it
+    comes from when that is not set). ``device``: ``"auto"`` (default,
     or ``RINGCOMM_DEVICE``: GPU ``LOCAL_RANK % device_count`` if CuPy sees one, else the
     CPU), ``"cpu"``, ``"gpu"``, ``"emulated"`` (CPU arrays through the GPU staging path, for
     tests); ``comm.device`` says which. Returns after every rank joined
@@ -33,6 +35,8 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     if segment_bytes is None and not os.environ.get("RINGCOMM_SEGMENT_BYTES"):
         info.segment_bytes = env.default_segment_bytes(info)  # for the overridden layout
     env.validate(info)
+    if info.world_size > 1:
+        info.secret, info.secret_file = job_secret.resolve(info)
     if info.world_size == 1:
         engine = Engine(lambda: LocalHub(1).transport(0), name="ringcomm-comm")
     else:

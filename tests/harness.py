@@ -40,6 +40,10 @@ def job_env(rank, world_size, port, extra=None):
 
 def _serve(env, conn):
     os.environ.update(env)
+    if env.get("TEST_SOFT_NOFILE"):  # start as a low default limit would (ringcomm raises it)
+        import resource
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (int(env["TEST_SOFT_NOFILE"]), hard))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the test process
     try:
         import ringcomm

@@ -1,12 +1,13 @@
 """Transports: how bytes move between ranks. See :mod:`.base` for the interface,
 :mod:`.zmq_transport` for the real one, :mod:`.local` for unit tests."""
+import os
 import time
 
 import zmq
 
 from . import rendezvous
 from .security import Guard
-from .tuning import tune_malloc
+from .tuning import raise_fd_limit, tune_malloc
 from . import shm
 from .zmq_transport import LanePlan, ZmqTransport
 
@@ -34,27 +35,42 @@ def _lane_plan(info, entry, table):
     return LanePlan(info.shm_slots, info.segment_bytes, mine["token"], peers)
 
 
+def _forget_secret_file(info):
+    if info.secret_file:
+        try:
+            os.unlink(info.secret_file)
+        except OSError:
+            pass
+        info.secret_file = ""
+
+
 def connect(info):
     """Bind this rank's socket, meet every rank through rank 0, connect to all of them.
 
     ``info`` is a :class:`ringcomm.env.JobInfo`. Returns a :class:`ZmqTransport`.
     """
     tune_malloc()
+    raise_fd_limit()
     context = zmq.Context()
     pull = guard = None
     try:
-        guard = Guard(context, info.secret, info.encrypt)
-        pull, entry = rendezvous.bind_pull(context, info.master_addr, info.segment_bytes + 8192, guard)
+        guard = Guard(context, info.secret, info.world_size, info.encrypt)
+        need_tcp = info.force_tcp or info.local_world_size < info.world_size
+        pull, entry = rendezvous.bind_pull(context, info.master_addr, info.segment_bytes + 8192,
+                                           guard, need_tcp)
         entry["shm"] = _shared_memory_entry(info)
         settings = {"segment_bytes": info.segment_bytes,
                     "shm_slots": info.shm_slots if info.shared_memory else 0}
         table = rendezvous.exchange(context, info.rank, info.world_size, info.master_addr,
-                                    info.master_port, entry, settings, info.secret, info.timeout)
+                                    info.master_port, entry, settings, info.secret, info.job,
+                                    info.timeout)
+        _forget_secret_file(info)  # every rank has joined: all of them know the secret
         endpoints = rendezvous.endpoints_for(entry, table, info.force_tcp)
-        transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints, guard=guard,
+        transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints,
+                                 [e["id"] for e in table], guard=guard,
                                  cleanup=rendezvous.socket_files(entry),
                                  lanes=_lane_plan(info, entry, table))
-        transport.local_endpoints = {"ipc": entry["ipc"], "tcp": entry["tcp"]}
+        transport.local_endpoints = {"ipc": entry["ipc"], "tcp": entry["tcp"], "id": entry["id"]}
         try:
             transport.await_connections(time.monotonic() + info.timeout)
             transport.open_lanes(time.monotonic() + info.timeout)
@@ -63,6 +79,7 @@ def connect(info):
             raise
         return transport
     except BaseException:
+        _forget_secret_file(info)
         if pull is not None:
             pull.close(0)
         if guard is not None:

@@ -1,15 +1,26 @@
 """Rendezvous: every rank learns every other rank's address through rank 0.
 
 Rank 0 binds a ROUTER socket at ``MASTER_ADDR:MASTER_PORT``. Every other rank binds its own
-PULL socket first, then sends rank 0 a HELLO: its rank, the world size it expects, its
-addresses and its settings, with an HMAC-SHA256 of the message under the job secret. Rank 0
-checks each HELLO (secret, rank in range and not taken, same world size and settings),
-ignores strangers, and when all ranks have joined sends each of them the address table, also
-signed. Messages are JSON, never pickle, and capped in size.
+inbound socket first, then joins through a challenge and response, so the job secret never
+crosses the wire and nothing recorded from one rendezvous works in another:
+
+1. the rank sends ``HELLO`` with a fresh random nonce;
+2. rank 0 answers ``CHALLENGE`` with a fresh nonce of its own and the job's name (see
+   :func:`ringcomm.env.job_id`), signed (HMAC-SHA256 under the secret) over both nonces: the
+   rank learns that rank 0 knows the secret and that this is its own job;
+3. the rank sends ``JOIN``: its rank, the world size it expects, its addresses, its
+   settings and job, signed over both nonces; rank 0 accepts each challenge's answer once;
+4. when all ranks have joined, rank 0 sends each the address table, signed over its nonces.
+
+Messages that fail a check are ignored with a log line (a stranger, a replayed message). A
+rank of another job, or a second rank claiming a rank already taken, is refused alone; a
+rank of this job whose world size or settings differ fails the whole rendezvous, on every
+rank, naming the difference. Messages are JSON, never pickle, and capped in size.
 
 Rank r then reaches rank p over ``ipc://`` when both run on the same host and over
 ``tcp://`` otherwise (``RINGCOMM_TRANSPORT=tcp`` forces TCP everywhere).
 """
+import collections
 import hashlib
 import hmac
 import json
@@ -17,31 +28,36 @@ import logging
 import os
 import secrets
 import socket
-import sys
-import tempfile
 import time
 
 import zmq
 
+from .. import rundir
 from ..errors import CommError, CommTimeout
 
 log = logging.getLogger(__name__)
 MAX_HELLO_BYTES = 64 * 1024
+NONCE_BYTES = 16
+MAX_CHALLENGES = 4096    # outstanding challenges rank 0 remembers (oldest forgotten first)
+HANDSHAKE_MS = 10_000    # a peer connection must prove the secret within this
+MAX_IPC_PATH = 107       # sun_path of a Unix socket address, less its terminating NUL
 
 
 def host_id():
-    """Identifies this host: its name, kernel boot id and network namespace (ranks with equal
-    ids reach each other's ``ipc://`` sockets)."""
+    """Identifies this host: its name, kernel boot id, network and mount namespaces (ranks
+    with equal ids reach each other's ``ipc://`` sockets)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    try:
-        netns = os.readlink("/proc/self/ns/net")
-    except OSError:
-        netns = ""
-    return f"{socket.gethostname()}/{boot}/{netns}"
+    namespaces = []
+    for kind in ("net", "mnt"):  # ipc sockets are files: the same files and network
+        try:
+            namespaces.append(os.readlink(f"/proc/self/ns/{kind}"))
+        except OSError:
+            namespaces.append("")
+    return "/".join([socket.gethostname(), boot, *namespaces])
 
 
 def local_ip(master_addr):
@@ -56,134 +72,202 @@ def local_ip(master_addr):
         return probe.getsockname()[0]
 
 
-def bind_pull(context, master_addr, max_message_bytes, guard=None):
-    """This rank's inbound socket, bound to an ipc path and a TCP port; and its table entry.
-    ``guard`` (a :class:`~.security.Guard`) makes it refuse peers without the job secret."""
+def bind_pull(context, master_addr, max_message_bytes, guard, need_tcp):
+    """This rank's inbound socket, bound to an ipc path in this user's private run directory
+    (:mod:`ringcomm.rundir`) and, when ``need_tcp`` (peers on other hosts, or
+    ``RINGCOMM_TRANSPORT=tcp``), to a TCP port; and its table entry. ``guard`` (a
+    :class:`~.security.Guard`) makes it refuse peers that do not prove the job secret."""
     pull = context.socket(zmq.PULL)
-    if guard is not None:
-        guard.server(pull)
+    guard.server(pull)
     pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     pull.setsockopt(zmq.LINGER, 0)
-    ip = local_ip(master_addr)
-    port = pull.bind_to_random_port(f"tcp://{ip}")
-    name = f"ringcomm-{os.getpid()}-{secrets.token_hex(4)}.sock"
-    # Linux's abstract socket namespace ("@name") leaves no file behind when a rank is
-    # killed; it has no file permissions either, which the job secret's handshake replaces
-    path = f"@{name}" if sys.platform.startswith("linux") else os.path.join(tempfile.gettempdir(), name)
+    # a connection that has not proven the secret by then is dropped, so half-open
+    # connections from a stranger cannot pile up
+    pull.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+    tcp = None
+    if need_tcp:
+        ip = local_ip(master_addr)
+        tcp = f"tcp://{ip}:{pull.bind_to_random_port(f'tcp://{ip}')}"
+    directory = rundir.path()
+    rundir.remove_stale(directory)
+    path = os.path.join(directory, f"{os.getpid()}-{secrets.token_hex(4)}.sock")
+    if len(path.encode()) > MAX_IPC_PATH:
+        pull.close(0)
+        raise CommError(f"the ipc socket path {path} is longer than {MAX_IPC_PATH} bytes; set "
+                        f"XDG_RUNTIME_DIR or TMPDIR to a shorter private directory")
     pull.bind(f"ipc://{path}")
-    entry = {"host": host_id(), "pid": os.getpid(), "ipc": f"ipc://{path}", "tcp": f"tcp://{ip}:{port}"}
+    entry = {"host": host_id(), "pid": os.getpid(), "ipc": f"ipc://{path}", "tcp": tcp,
+             "id": guard.socket_id}
     return pull, entry
 
 
 def endpoints_for(me, table, force_tcp=False):
     """The address this rank uses to reach each rank of ``table``."""
-    return [e["ipc"] if e["host"] == me["host"] and not force_tcp else e["tcp"] for e in table]
+    endpoints = []
+    for r, e in enumerate(table):
+        if e["host"] == me["host"] and not force_tcp:
+            endpoints.append(e["ipc"])
+        elif e.get("tcp"):
+            endpoints.append(e["tcp"])
+        else:
+            raise CommError(f"rank {r} runs on another host but offers no TCP address: "
+                            f"LOCAL_WORLD_SIZE said every rank shares one host")
+    return endpoints
 
 
 def socket_files(entry):
-    """The files this rank's ``entry`` created (none for an abstract-namespace socket)."""
-    path = entry["ipc"][len("ipc://"):]
-    return [] if path.startswith("@") else [path]
+    """The files this rank's ``entry`` created (its ipc socket)."""
+    return [entry["ipc"][len("ipc://"):]]
 
 
-def _sign(secret, body):
-    return hmac.new(secret.encode(), body, hashlib.sha256).digest()
+def _sign(secret, *parts):
+    return hmac.new(secret.encode(), b"|".join(parts), hashlib.sha256).digest()
 
 
-def _verified(secret, body, mac):
-    return hmac.compare_digest(_sign(secret, body), mac)
+def _verified(secret, mac, *parts):
+    return hmac.compare_digest(_sign(secret, *parts), mac)
 
 
-def exchange(context, rank, world_size, master_addr, master_port, entry, settings, secret, timeout):
-    """Return the address table (one entry per rank) once every rank has joined."""
+def exchange(context, rank, world_size, master_addr, master_port, entry, settings, secret, job,
+             timeout):
+    """Return the address table (one entry per rank) once every rank has joined.
+
+    ``job`` names this launch (see :func:`ringcomm.env.job_id`): a rank of another job that
+    shares the port and the secret is refused without disturbing this one."""
     deadline = time.monotonic() + timeout
     if rank == 0:
-        return _serve(context, world_size, master_addr, master_port, entry, settings, secret, deadline)
-    return _join(context, rank, world_size, master_addr, master_port, entry, settings, secret, deadline)
+        return _Server(context, world_size, master_addr, master_port, entry, settings, secret,
+                       job).serve(deadline)
+    return _join(context, rank, world_size, master_addr, master_port, entry, settings, secret,
+                 job, deadline)
 
 
-def _serve(context, world_size, master_addr, master_port, entry, settings, secret, deadline):
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.MAXMSGSIZE, MAX_HELLO_BYTES)
-    router.setsockopt(zmq.LINGER, 2000)
-    address = f"tcp://{socket.gethostbyname(master_addr)}:{master_port}"
-    try:
-        router.bind(address)
-    except zmq.ZMQError as exc:
-        router.close(0)
-        raise CommError(f"rank 0 cannot bind the rendezvous at {address}: {exc}") from None
-    try:
-        table, identities = {0: entry}, {}
-        while len(table) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not router.poll(int(remaining * 1000)):
-                missing = sorted(set(range(world_size)) - set(table))
-                raise CommTimeout(f"rendezvous at {address}: ranks {missing} did not join "
-                                  f"within the timeout")
-            parts = router.recv_multipart()
-            hello = _parse_hello(parts, secret)
-            if hello is None:
-                log.warning("rendezvous: ignored a message without a valid job secret")
-                continue
-            r = hello["rank"]
+class _Server:
+    """Rank 0's side: challenges every newcomer, admits ranks that answer it correctly."""
+
+    def __init__(self, context, world_size, master_addr, master_port, entry, settings, secret, job):
+        self.world_size, self.settings, self.secret, self.job = world_size, settings, secret, job
+        self.table, self.joined = {0: entry}, {}  # rank -> entry, rank -> (identity, nonces)
+        self.challenges = collections.OrderedDict()  # identity -> (client nonce, server nonce)
+        self.address = f"tcp://{socket.gethostbyname(master_addr)}:{master_port}"
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_HELLO_BYTES)
+        self.router.setsockopt(zmq.LINGER, 2000)
+        try:
+            self.router.bind(self.address)
+        except zmq.ZMQError as exc:
+            self.router.close(0)
+            raise CommError(f"rank 0 cannot bind the rendezvous at {self.address}: {exc}") from None
+
+    def serve(self, deadline):
+        try:
+            while len(self.table) < self.world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.router.poll(int(remaining * 1000)):
+                    missing = sorted(set(range(self.world_size)) - set(self.table))
+                    raise CommTimeout(f"rendezvous at {self.address}: ranks {missing} did not "
+                                      f"join within the timeout")
+                parts = self.router.recv_multipart()
+                if len(parts) == 3 and parts[1] == b"HELLO" and len(parts[2]) == NONCE_BYTES:
+                    self._challenge(parts[0], parts[2])
+                elif len(parts) == 4 and parts[1] == b"JOIN":
+                    self._admit(parts[0], parts[2], parts[3])
+                else:
+                    log.warning("rendezvous: ignored a malformed message")
+            ordered = [self.table[r] for r in range(self.world_size)]
+            for ident, nonces in self.joined.values():
+                self._reply(ident, nonces, {"table": ordered})
+            return ordered
+        finally:
+            self.router.close()
+
+    def _challenge(self, ident, client_nonce):
+        server_nonce = secrets.token_bytes(NONCE_BYTES)
+        self.challenges[ident] = (client_nonce, server_nonce)
+        while len(self.challenges) > MAX_CHALLENGES:  # a flood of HELLOs cannot grow memory
+            self.challenges.popitem(last=False)
+        job = self.job.encode()
+        self.router.send_multipart([ident, b"CHALLENGE", server_nonce, job,
+                                    _sign(self.secret, b"challenge", client_nonce, server_nonce, job)])
+
+    def _admit(self, ident, body, mac):
+        nonces = self.challenges.pop(ident, None)
+        if nonces is None or not _verified(self.secret, mac, b"join", *nonces, body):
+            log.warning("rendezvous: ignored a join that does not answer its challenge "
+                        "(a stranger, or a replayed message)")
+            return
+        try:
+            hello = json.loads(body)
+            r, job = hello["rank"], hello["job"]
+            valid = isinstance(r, int) and isinstance(hello["entry"], dict) and isinstance(job, str)
+        except (ValueError, KeyError, TypeError):
+            valid = False
+        if not valid:
+            log.warning("rendezvous: ignored a malformed join")
+            return
+        if job != self.job:
+            problem = f"rank {r} of job {job!r} reached the rendezvous of job {self.job!r}"
+        elif not 0 < r < self.world_size or r in self.table:
+            problem = f"rank {r} joined twice or is out of range (world size {self.world_size})"
+        else:
             problem = None
-            if hello["world_size"] != world_size:
-                problem = f"rank {r} expects world size {hello['world_size']}, rank 0 has {world_size}"
-            elif hello["settings"] != settings:
-                problem = (f"rank {r} has settings {hello['settings']}, rank 0 has {settings} (every rank "
-                           f"needs the same RINGCOMM_SEGMENT_BYTES, RINGCOMM_SHM, RINGCOMM_SHM_SLOTS and "
-                           f"RINGCOMM_TRANSPORT: the segment size default follows the last ones)")
-            elif not 0 < r < world_size or r in table:
-                problem = f"rank {r} joined twice or is out of range (world size {world_size})"
-            if problem:
-                for ident in [*identities.values(), parts[0]]:
-                    _reply(router, ident, {"error": problem}, secret)
-                raise CommError(f"rendezvous failed: {problem}")
-            table[r], identities[r] = hello["entry"], parts[0]
-        ordered = [table[r] for r in range(world_size)]
-        for ident in identities.values():
-            _reply(router, ident, {"table": ordered}, secret)
-        return ordered
-    finally:
-        router.close()
+        if problem:  # refuse the newcomer alone: the ranks already here stay
+            log.warning("rendezvous: refused: %s", problem)
+            self._reply(ident, nonces, {"error": problem})
+            return
+        mismatch = None
+        if hello.get("world_size") != self.world_size:
+            mismatch = f"rank {r} expects world size {hello.get('world_size')}, rank 0 has {self.world_size}"
+        elif hello.get("settings") != self.settings:
+            mismatch = (f"rank {r} has settings {hello.get('settings')}, rank 0 has {self.settings} "
+                        f"(every rank needs the same RINGCOMM_SEGMENT_BYTES, RINGCOMM_SHM, "
+                        f"RINGCOMM_SHM_SLOTS and RINGCOMM_TRANSPORT: the segment size default "
+                        f"follows the last ones)")
+        if mismatch:  # a rank of this job, configured differently: the job cannot run
+            for other, other_nonces in [*self.joined.values(), (ident, nonces)]:
+                self._reply(other, other_nonces, {"error": mismatch})
+            raise CommError(f"rendezvous failed: {mismatch}")
+        self.table[r], self.joined[r] = hello["entry"], (ident, nonces)
+
+    def _reply(self, ident, nonces, message):
+        body = json.dumps(message).encode()
+        self.router.send_multipart([ident, b"REPLY", body, _sign(self.secret, b"reply", *nonces, body)])
 
 
-def _parse_hello(parts, secret):
-    if len(parts) != 3 or not _verified(secret, parts[1], parts[2]):
-        return None
-    try:
-        hello = json.loads(parts[1])
-        if not isinstance(hello["rank"], int) or not isinstance(hello["entry"], dict):
-            return None
-        return hello
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def _reply(router, ident, message, secret):
-    body = json.dumps(message).encode()
-    router.send_multipart([ident, body, _sign(secret, body)])
-
-
-def _join(context, rank, world_size, master_addr, master_port, entry, settings, secret, deadline):
+def _join(context, rank, world_size, master_addr, master_port, entry, settings, secret, job, deadline):
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
     address = f"tcp://{master_addr}:{master_port}"
-    try:
-        dealer.connect(address)
-        body = json.dumps({"rank": rank, "world_size": world_size, "entry": entry,
-                           "settings": settings}).encode()
-        dealer.send_multipart([body, _sign(secret, body)])
+    client_nonce = secrets.token_bytes(NONCE_BYTES)
+    server_nonce = None
+
+    def receive():
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not dealer.poll(int(remaining * 1000)):
                 raise CommTimeout(f"rank {rank}: no answer from the rendezvous at {address} "
                                   f"(rank 0) within the timeout")
-            parts = dealer.recv_multipart()
-            if len(parts) == 2 and _verified(secret, parts[0], parts[1]):
+            yield dealer.recv_multipart()
+    try:
+        dealer.connect(address)
+        dealer.send_multipart([b"HELLO", client_nonce])
+        for parts in receive():
+            if len(parts) == 4 and parts[0] == b"CHALLENGE" and \
+                    _verified(secret, parts[3], b"challenge", client_nonce, parts[1], parts[2]):
+                server_nonce = parts[1]
+                if parts[2] != job.encode():
+                    raise CommError(f"rank {rank}: the rendezvous at {address} belongs to job "
+                                    f"{parts[2].decode(errors='replace')!r}, this rank to job {job!r}")
                 break
-        reply = json.loads(parts[0])
+        body = json.dumps({"rank": rank, "world_size": world_size, "entry": entry,
+                           "settings": settings, "job": job}).encode()
+        dealer.send_multipart([b"JOIN", body, _sign(secret, b"join", client_nonce, server_nonce, body)])
+        for parts in receive():
+            if len(parts) == 3 and parts[0] == b"REPLY" and \
+                    _verified(secret, parts[2], b"reply", client_nonce, server_nonce, parts[1]):
+                break
+        reply = json.loads(parts[1])
         if "error" in reply:
             raise CommError(f"rendezvous failed: {reply['error']}")
         return reply["table"]

@@ -7,11 +7,16 @@ ZeroMQ at ≈0.8 GB/s on 64 MiB messages on this machine kind (see shared/ANCHOR
 2.3–3 GB/s once glibc reuses memory. :func:`tune_malloc` raises the mmap and trim
 thresholds so freed message buffers are reused. It trades returning memory to the system
 promptly for speed; ``RINGCOMM_MALLOC_TUNING=0`` turns it off.
+
+:func:`raise_fd_limit` lifts the open-file limit to its hard maximum: every connection to
+a rank's sockets holds a descriptor until it is dropped, and libzmq aborts the process when
+it cannot make one.
 """
 import ctypes
 import ctypes.util
 import logging
 import os
+import resource
 
 log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -36,3 +41,17 @@ def tune_malloc():
     if not ok:
         log.debug("mallopt refused the thresholds")
     return _done
+
+
+def raise_fd_limit():
+    """Raise this process's soft limit on open files to the hard limit; returns the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return soft
+    return target

@@ -49,6 +49,9 @@ ONE_FRAME_BYTES = 64 << 10
 # Segments at least this large go through a shared-memory lane to same-host peers; below
 # it a ZeroMQ copy costs less than the slot bookkeeping.
 SHM_MIN_BYTES = int(os.environ.get("RINGCOMM_SHM_MIN_BYTES", 32 << 10))
+# How long close() waits for every peer's goodbye: a peer that is gone or stopped never
+# sends one, and waiting longer would only delay this rank's exit.
+CLOSE_WAIT = 1.5
 # How long zero-timeout pumps may skip polling the monitor sockets (seconds).
 MONITOR_INTERVAL = 0.005
 _POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` builds an enum member each time
@@ -72,13 +75,14 @@ class LanePlan:
 class ZmqTransport(Transport):
     """Messages between ranks over ZeroMQ.
 
-    ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r.
+    ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r,
+    ``socket_ids[r]`` the id its inbound socket published (what a connection proof names).
     ``lanes``: a :class:`LanePlan` for the shared-memory lanes to peers on this host (opened
     by :meth:`open_lanes`), or ``None`` to send everything through ZeroMQ.
     """
 
-    def __init__(self, rank, world_size, context, pull, endpoints, grace=1.0, close_wait=30.0,
-                 cleanup=(), guard=None, lanes=None):
+    def __init__(self, rank, world_size, context, pull, endpoints, socket_ids=None, grace=1.0,
+                 close_wait=CLOSE_WAIT, cleanup=(), guard=None, lanes=None):
         super().__init__(rank, world_size)
         self._plan = lanes
         self._out_lanes = {}  # peer -> OutLane
@@ -98,7 +102,7 @@ class ZmqTransport(Transport):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
             if guard is not None:
-                guard.client(sock)
+                guard.client(sock, rank, socket_ids[peer])
             monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
             sock.connect(endpoint)
             self._push[peer] = sock
@@ -300,7 +304,7 @@ class ZmqTransport(Transport):
         pending = lambda: [p for p in self._push if p not in self._said_bye and p not in self._gone_since]  # noqa: E731
         while pending() and time.monotonic() < deadline:
             self._pump(0.05)
-        linger = 1000 if pending() else 0
+        linger = 500 if pending() else 0
         for sock in self._push.values():
             sock.disable_monitor()
             sock.close(linger=linger)

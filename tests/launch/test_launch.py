@@ -24,7 +24,8 @@ from ringcomm import launch  # noqa: E402
 
 SCRUBBED = ("MASTER_ADDR", "MASTER_PORT", "RINGCOMM_SECRET", "RINGCOMM_TIMEOUT",
             "OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-            "TORCHELASTIC_RESTART_COUNT", "RINGCOMM_RESTART_COUNT")
+            "TORCHELASTIC_RESTART_COUNT", "RINGCOMM_RESTART_COUNT", "RINGCOMM_SECRET_FILE",
+            "RINGCOMM_INSECURE", "RINGCOMM_JOB_ID")
 LINE = re.compile(r"^\[rank (\d+)\]: (.*)$")
 
 
@@ -158,7 +159,9 @@ def test_user_settings_are_passed_through(tmp_path):
 @pytest.mark.timeout(60)
 def test_multinode_ranks(tmp_path):
     script = write_script(tmp_path, PRINT_ENV)
-    res = run_launcher("--nnodes", 2, "--node-rank", 1, "--nproc", 2, script)
+    refused = run_launcher("--nnodes", 2, "--node-rank", 1, "--nproc", 2, script)
+    assert refused.returncode == 2 and "RINGCOMM_SECRET_FILE" in refused.stderr
+    res = run_launcher("--nnodes", 2, "--node-rank", 1, "--nproc", 2, script, RINGCOMM_INSECURE="1")
     assert res.returncode == 0, res.stderr
     envs = by_rank(res.stdout)
     assert sorted(envs) == [2, 3]
@@ -166,7 +169,7 @@ def test_multinode_ranks(tmp_path):
     for e in envs.values():
         assert e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "2"
         assert e["GROUP_RANK"] == "1" and e["MASTER_PORT"] == "29500"
-    assert "RINGCOMM_SECRET" in res.stderr  # warning: no secret for a multi-node job
+    assert "RINGCOMM_INSECURE=1" in res.stderr  # warning: anyone can compute this secret
     assert len({e["RINGCOMM_SECRET"] for e in envs.values()}) == 1
 
 
@@ -331,9 +334,18 @@ def test_parse_defaults_to_the_main_job(monkeypatch):
     assert env["RANK"] == "1" and env["RINGCOMM_RESTART_COUNT"] == "3"
 
 
-def test_multinode_secret_is_deterministic(monkeypatch):
+def test_multinode_secret_is_deterministic_only_when_insecure(monkeypatch, tmp_path, capsys):
     for key in SCRUBBED:
         monkeypatch.delenv(key, raising=False)
+    argv = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "1234"]
+    with pytest.raises(SystemExit):
+        launch.parse_args(argv)
+    assert "RINGCOMM_SECRET" in capsys.readouterr().err
+    (tmp_path / "s").write_text("from-a-file\n")
+    monkeypatch.setenv("RINGCOMM_SECRET_FILE", str(tmp_path / "s"))
+    assert launch.parse_args(argv).secret == "from-a-file"
+    monkeypatch.delenv("RINGCOMM_SECRET_FILE")
+    monkeypatch.setenv("RINGCOMM_INSECURE", "1")
     argv = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "1234"]
     a, b = launch.parse_args(argv), launch.parse_args(argv)
     assert a.secret == b.secret and len(a.secret) == 32

@@ -173,15 +173,17 @@ def test_transport_setting(value, tcp):
     assert env.from_environ({"RINGCOMM_TRANSPORT": value}).force_tcp is tcp
 
 
-def test_default_secret_is_shared_by_ranks_of_one_job_only():
-    job = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "5000", "WORLD_SIZE": "2"}
-    a = env.from_environ({**job, "RANK": "0"}).secret
-    b = env.from_environ({**job, "RANK": "1"}).secret
-    other = env.from_environ({**job, "RANK": "0", "MASTER_PORT": "5001"}).secret
-    assert a == b
-    assert a != other
-    assert len(a) == 32 and int(a, 16) >= 0
-    assert env.from_environ({**job, "RANK": "0", "RINGCOMM_SECRET": ""}).secret == a
+def test_no_secret_is_derived_from_public_values():
+    job = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "5000", "WORLD_SIZE": "2", "RANK": "0"}
+    assert env.from_environ(job).secret == ""  # ringcomm.secret.resolve decides at init
+    assert env.from_environ({**job, "RINGCOMM_SECRET": "s"}).secret == "s"
+
+
+def test_job_id_names_the_launch():
+    assert env.job_id({}) == ""
+    assert env.job_id({"RINGCOMM_JOB_ID": "a", "RINGCOMM_RESTART_COUNT": "2"}) == "a:::2"
+    assert env.job_id({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}) == "7:0"
+    assert env.job_id({"TORCHELASTIC_RUN_ID": "r"}) != env.job_id({"TORCHELASTIC_RUN_ID": "s"})
 
 
 def test_bad_timeout_value_is_value_error():
