@@ -26,12 +26,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from . import signature
+from . import p2p, signature
 from .algorithms import ps, rd, ring
 from .algorithms.choice import (  # noqa: F401 - part of this module's interface
     LOCAL_ALL_REDUCE_RD_BYTES, SMALL_MESSAGE_BYTES, all_reduce_bytes, auto_algorithm)
-from .algorithms.chunks import segments
-from .engine import Deferred
 from .errors import CollectiveMismatch, CommError, SignatureMismatch
 from .link import HOST, Link, Stats
 from .ops import parse_op
@@ -180,41 +178,21 @@ class Communicator:
 
     def send(self, x, dst, tag=0, async_op=False):
         """Send ``x`` to rank ``dst``; the matching :meth:`recv` names this rank and ``tag``.
-        Returns once ``x`` may be modified again (not when it was received)."""
+        Returns once ``x`` may be modified again (not when it was received). At most
+        ``RINGCOMM_P2P_WINDOW_BYTES`` go unreceived to one peer; past that a send waits for
+        the receiver (see :mod:`ringcomm.p2p`)."""
         flat = self._check_array(x, "x", writable=False)
         self._check_peer(dst, "dst", tag)
-
-        def body(link):
-            for j, sl in enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)):
-                link.send(dst, tag, j, flat[sl])
-        return self._submit("send", body, x.dtype, x.size, None, None, 0, async_op, None,
-                            p2p=("to", dst, tag), staged=x)
+        return self._submit("send", lambda link: p2p.send(link, flat, dst, tag), x.dtype, x.size,
+                            None, None, 0, async_op, None, p2p=("to", dst, tag), staged=x)
 
     def recv(self, x, src, tag=0, async_op=False):
         """In place: ``x`` gets what rank ``src`` sent with ``tag`` (same dtype and size).
         Returns ``x``."""
         flat = self._check_array(x, "x")
         self._check_peer(src, "src", tag)
-
-        def body(link):
-            todo = list(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
-
-            def progress():
-                while todo:
-                    j, sl = todo[0]
-                    try:
-                        data = link.recv(src, tag, j, sl.stop - sl.start, wait=False)
-                    except SignatureMismatch as exc:
-                        raise self._mismatch(link.what, exc) from None
-                    if data is None:
-                        return False
-                    flat[sl] = data
-                    todo.pop(0)
-                link.stats.collectives += 1
-                return True
-            return Deferred(progress, x)
-        return self._submit("send", body, x.dtype, x.size, None, None, 0, async_op, x,
-                            p2p=("from", src, tag), staged=x)
+        return self._submit("send", lambda link: p2p.recv(link, flat, src, tag, x, self._mismatch),
+                            x.dtype, x.size, None, None, 0, async_op, x, p2p=("from", src, tag), staged=x)
 
     # -- groups, statistics, closing -------------------------------------------------------
     def new_group(self, ranks):
@@ -381,7 +359,9 @@ class Communicator:
                     device.activate()
                     deferred = body(link)
                     if deferred is not None:
-                        return deferred  # a receive: it completes itself, sends nothing
+                        # a receive, or a send waiting for flow-control credit: it completes
+                        # itself, and a waiting send copies what it sends (nothing to flush)
+                        return deferred
                     transport.flush(link.deadline, what)
                     if space == 0:  # another rank may have aborted a collective we only sent in
                         transport.pump(0)

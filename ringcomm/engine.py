@@ -123,6 +123,7 @@ class Work:
 
 
 _IDLE = object()
+IDLE_PUMP_S = 0.1  # how often an idle communication thread moves arrived messages
 
 
 class Engine:
@@ -160,7 +161,11 @@ class Engine:
                             self.transport.pump(0.001)
                         work = _IDLE
                 else:
-                    work = self._queue.get()
+                    try:
+                        work = self._queue.get(timeout=IDLE_PUMP_S)
+                    except queue.Empty:
+                        self._idle_pump()
+                        continue
                 if work is None:
                     break
                 with self._busy:
@@ -192,6 +197,15 @@ class Engine:
             self.transport.close()
         except Exception:  # noqa: BLE001 - nothing left to report to
             log.exception("error while closing the transport")
+
+    def _idle_pump(self):
+        """Move messages while no work runs, so that liveness checks get their answer; skipped
+        when a caller thread holds the transport (it moves messages itself)."""
+        if self._busy.acquire(blocking=False):
+            try:
+                self.transport.pump(0)
+            finally:
+                self._busy.release()
 
     def submit(self, fn, what, inline=False):
         """Queue ``fn(transport)``; returns its :class:`Work`. Call with ``self.lock`` held.

@@ -5,7 +5,8 @@ built-in ``ValueError`` or ``TypeError`` before anything is sent. Everything tha
 other ranks raises a :class:`CommError`:
 
 - :class:`CommTimeout`: a deadline passed; the message names the collective, its sequence
-  number and the rank that was being waited on.
+  number and the rank that was being waited on; when a liveness check found the rank that
+  stopped answering (or one that never started the collective), ``.rank`` names it.
 - :class:`PeerLost`: another rank died or closed its communicator; ``.rank`` names it.
 - :class:`CollectiveMismatch`: ranks called different collectives, or the same collective
   with different arguments; the message describes both sides.
@@ -22,7 +23,11 @@ class CommError(RuntimeError):
 
 
 class CommTimeout(CommError, TimeoutError):
-    """A wait passed its deadline."""
+    """A wait passed its deadline; ``.rank``: the rank to blame, when one is known."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
 
 
 class PeerLost(CommError):

@@ -42,9 +42,14 @@ Their stdout and stderr lines are re-emitted as ``[rank R]: line`` on the
 launcher's stdout and stderr respectively.
 
 Failure behaviour: as soon as one worker exits non-zero or dies by a signal, the
-launcher reports it on stderr (``ringcomm.launch: rank 2 (local rank 2, pid
-1234) failed: exit code 3``), sends SIGTERM to every worker's process group,
-waits 3 s, SIGKILLs whatever is left and reaps all workers.  It then restarts
+launcher waits up to 1.5 s for the others' reports, then says on stderr what ended each
+failed rank (``ringcomm.launch: rank 2 (local rank 2, pid 1234) failed: exit code 3:
+ValueError: ...``; each worker writes its uncaught exception to ``RINGCOMM_ERROR_FILE``).
+When failed ranks blame another one (a ``CommTimeout`` after a liveness check, a
+``PeerLost``), they are reported as its victims and it is named: ``rank 1 stopped answering
+its peers (named by rank(s) 0, 2)``, and killed at once if it still runs. Then the launcher
+sends SIGTERM to every worker's process group, waits 3 s, SIGKILLs whatever is left and
+reaps all workers.  It then restarts
 the group if restarts remain.  Exit status: 0 if every worker exited 0, 1 after
 a failure, 130 on SIGINT and 143 on SIGTERM (forwarded to workers as SIGTERM).
 
@@ -61,19 +66,24 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
+from . import rundir
 from .launch_config import (  # noqa: F401 - part of this module's interface
     DEFAULT_ARGS, DEFAULT_MODULE, DEFAULT_MULTINODE_PORT, PROG, LaunchConfig, _stdout_lock, _stderr_lock,
     _write, free_port, log, parse_args, worker_env)
 
 GRACE_PERIOD_S = 3.0
+REPORT_WAIT_S = 1.5  # after a first failure, how long to wait for the others' reports
 POLL_INTERVAL_S = 0.05
 EXIT_FAILURE = 1
 
@@ -157,10 +167,13 @@ class WorkerGroup:
         self.cfg = cfg
         self.restart_count = restart_count
         self.workers: list[Worker] = []
+        # where each worker writes what ended it (see ringcomm.world): private, removed by kill()
+        self.reports = tempfile.mkdtemp(prefix="ringcomm-reports-")
 
     def spawn_one(self, local_rank: int) -> None:
         cfg, pipe = self.cfg, (subprocess.PIPE if self.cfg.prefix else None)
         env = worker_env(cfg, local_rank, self.restart_count)
+        env["RINGCOMM_ERROR_FILE"] = os.path.join(self.reports, f"rank-{env['RANK']}.json")
         proc = subprocess.Popen(cfg.command(), env=env, stdout=pipe, stderr=pipe,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_die_with(os.getpid()) if _PRCTL is not None else None)
@@ -190,15 +203,58 @@ class WorkerGroup:
             codes = [(w, w.proc.poll()) for w in self.workers]
             failed = [(w, rc) for w, rc in codes if rc not in (None, 0)]
             if failed:
-                for w, rc in failed:
-                    log(f"rank {w.rank} (local rank {w.local_rank}, pid {w.proc.pid}) "
-                        f"failed: {_describe(rc)}")
+                self._explain(failed)
                 self.stop()
                 return EXIT_FAILURE
             if all(rc == 0 for _, rc in codes):
                 self.stop()  # sweeps anything the workers left running
                 return 0
             time.sleep(POLL_INTERVAL_S)
+
+    def _report(self, worker: Worker):
+        try:
+            with open(os.path.join(self.reports, f"rank-{worker.rank}.json")) as f:
+                report = json.load(f)
+            return report if isinstance(report, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def _explain(self, failed) -> None:
+        """Say which ranks failed and why; name (and kill at once) a rank the others blame.
+
+        The ranks a stopped or hung rank leaves behind fail within a second or so of each
+        other: wait that long for their reports, so the one they name is the one reported."""
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
+            time.sleep(POLL_INTERVAL_S)
+        failed = [(w, w.proc.poll()) for w in self.workers if w.proc.poll() not in (None, 0)]
+        reports = {w.rank: self._report(w) for w, _ in failed}
+        blamed: dict[int, list[int]] = {}
+        for rank, report in reports.items():
+            culprit = report.get("blames") if report else None
+            if isinstance(culprit, int) and culprit != rank:
+                blamed.setdefault(culprit, []).append(rank)
+        for w, rc in failed:
+            report = reports[w.rank]
+            why = f": {report['type']}: {str(report.get('message'))[:400]}" if report else ""
+            victim = report and report.get("blames") in blamed and report.get("blames") != w.rank
+            log(f"rank {w.rank} (local rank {w.local_rank}, pid {w.proc.pid}) "
+                f"{'exited because of rank ' + str(report['blames']) if victim else 'failed'}: "
+                f"{_describe(rc)}{why}")
+        by_rank = {w.rank: w for w in self.workers}
+        for culprit, namers in sorted(blamed.items()):
+            worker = by_rank.get(culprit)
+            running = worker is not None and worker.proc.poll() is None
+            state = ("still running: stopped or hung; killing it now" if running else
+                     "on another node" if worker is None else f"ended with {_describe(worker.proc.returncode)}")
+            log(f"rank {culprit} stopped answering its peers (named by rank(s) "
+                f"{', '.join(map(str, sorted(namers)))}); it is {state}")
+            if running:
+                self._signal_group(worker, signal.SIGKILL)
+                try:
+                    worker.proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
 
     def _group_alive(self, worker: Worker) -> bool:
         worker.proc.poll()  # reap the leader if it exited, so it does not count
@@ -247,6 +303,8 @@ class WorkerGroup:
         for w in self.workers:
             for thread in w.readers:
                 thread.join(max(0.0, deadline - time.monotonic()))
+        shutil.rmtree(self.reports, ignore_errors=True)
+        rundir.remove_owned_by([w.proc.pid for w in self.workers])
 
 
 class _SignalCatcher:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .device import HostDevice
-from .errors import CollectiveMismatch
+from .errors import CollectiveMismatch, CommTimeout
 from .transport.frame import Key
 
 
@@ -45,15 +45,17 @@ class Link:
         self.segment_bytes = segment_bytes
         self.deadline, self.what, self.stats = deadline, what, stats
         self.device = device  # stages device segments through a pinned host buffer
+        if space == 0:
+            transport.started(comm_id, seq)
 
-    def send(self, peer, step, segment, array):
+    def send(self, peer, step, segment, array, copy=False):
         """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
-        zero-copy: do not modify them before the collective ends."""
+        zero-copy unless ``copy``: do not modify them before the collective ends."""
         key = Key(self.comm_id, self.space, self.seq, step, segment)
         host = self.device.stage_out(array)
         # a staged segment is copied by the transport before send returns: the staging
         # buffer is free again at once
-        self.transport.send(self.ranks[peer], key, self.sig, host.view(np.uint8), copy=self.device.staged)
+        self.transport.send(self.ranks[peer], key, self.sig, host.view(np.uint8), copy=copy or self.device.staged)
         self.stats.bytes_sent += array.nbytes
         self.stats.messages_sent += 1
 
@@ -63,7 +65,12 @@ class Link:
         ``wait=False``: ``None`` if not arrived yet."""
         key = Key(self.comm_id, self.space, self.seq, step, segment)
         get = self.transport.recv if wait else self.transport.poll
-        payload = get(self.ranks[peer], key, self.sig, self.deadline, self.what)
+        try:
+            payload = get(self.ranks[peer], key, self.sig, self.deadline, self.what)
+        except CommTimeout as exc:
+            if exc.remote:  # another rank's verdict, already blamed there
+                raise
+            raise self._blame(exc, self.ranks[peer]) from None
         if payload is None:
             return None
         nbytes = memoryview(payload).nbytes
@@ -75,3 +82,21 @@ class Link:
         self.stats.bytes_received += nbytes
         self.stats.messages_received += 1
         return self.device.stage_in(np.frombuffer(payload, self.dtype, count))
+
+    def _blame(self, timeout, src):
+        """The timeout to raise after asking who stopped answering (see Transport.probe)."""
+        me = self.ranks[self.rank]
+        peers = self.ranks if self.space == 0 else [src]
+        silent, behind = self.transport.probe(peers, self.comm_id, self.seq)
+        if silent:
+            return CommTimeout(
+                f"{self.what}: rank {silent[0]} stopped answering (no reply to a liveness check: "
+                f"it is stopped, hung outside Python, or unreachable); rank {me} timed out "
+                f"waiting for rank {src}", rank=silent[0])
+        if behind and self.space == 0:
+            return CommTimeout(
+                f"{self.what}: rank {behind[0]} is alive but never started this collective (it "
+                f"is busy elsewhere, or the ranks issue collectives in different orders); rank "
+                f"{me} timed out waiting for rank {src}", rank=behind[0])
+        timeout.rank = src
+        return timeout

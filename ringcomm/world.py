@@ -1,13 +1,16 @@
 """Joining the job: :func:`init` builds the world communicator."""
 import atexit
 import dataclasses
+import json
 import os
+import sys
 
 from . import env
 from . import secret as job_secret
 from .comm import Communicator
 from .device import select as select_device
 from .engine import Engine
+from .errors import CommError
 from .transport.local import LocalHub
 
 
@@ -35,6 +38,8 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     if segment_bytes is None and not os.environ.get("RINGCOMM_SEGMENT_BYTES"):
         info.segment_bytes = env.default_segment_bytes(info)  # for the overridden layout
     env.validate(info)
+    if os.environ.get("RINGCOMM_ERROR_FILE"):
+        _report_to_launcher(os.environ["RINGCOMM_ERROR_FILE"])
     if info.world_size > 1:
         info.secret, info.secret_file = job_secret.resolve(info)
     if info.world_size == 1:
@@ -50,3 +55,22 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     if info.world_size > 1:
         comm.barrier()
     return comm
+
+
+def _report_to_launcher(path):
+    """On an uncaught exception, write what it was (and which rank it blames) to ``path``, for
+    ``ringcomm.launch`` to name the rank that caused a failure rather than its victims."""
+    previous = sys.excepthook
+    if getattr(previous, "ringcomm_report", False):
+        return
+
+    def hook(kind, exc, tb):
+        blames = getattr(exc, "rank", None) if isinstance(exc, CommError) else None
+        try:
+            with open(path, "w") as f:
+                json.dump({"type": kind.__name__, "message": str(exc)[:2000], "blames": blames}, f)
+        except OSError:
+            pass
+        previous(kind, exc, tb)
+    hook.ringcomm_report = True
+    sys.excepthook = hook

@@ -4,14 +4,30 @@ A transport moves (header, payload) messages between ranks identified by global 
 numbers. It knows nothing about collectives: the keys and signatures it carries are opaque
 to it. Subclasses implement how bytes move (``_post``, ``_pump``) and how a lost peer is
 noticed (``_check_peers``); the waiting, deadlines and mailbox logic live here once.
+
+A liveness check finds who to blame when a wait times out (:meth:`probe`): this rank asks
+the collective's other ranks (PING) and each answers (PONG) whether it has not reached the
+collective, is inside it, or has finished it. Whichever thread moves messages answers, so a
+rank answers while it waits, while it works between calls (the communication thread moves
+messages when idle), but not when it is stopped, hung in native code or gone.
 """
+import collections
+import os
+import struct
 import time
 from abc import ABC, abstractmethod
 
-from ..errors import CommTimeout
+from ..errors import CommError, CommTimeout
 from . import frame
 from .frame import Kind
 from .mailbox import ABORT_SIG, NO_RANK, Mailbox, abort_code
+
+NOT_REACHED, INSIDE, FINISHED = 0, 1, 2  # a PONG's answer about one collective
+PROBE_WAIT = 1.0  # seconds a liveness check waits for answers
+# point-to-point bytes in flight to one peer before a send waits (see ringcomm.p2p)
+P2P_WINDOW_BYTES = int(os.environ.get("RINGCOMM_P2P_WINDOW_BYTES", 64 << 20))
+CREDIT = struct.Struct("<Q8x")  # a CREDIT's signature field: the bytes taken
+_NO_KEY = frame.Key(0, 0, 0, 0, 0)
 
 
 class Transport(ABC):
@@ -20,7 +36,12 @@ class Transport(ABC):
     def __init__(self, rank, world_size):
         self.rank = rank
         self.world_size = world_size
-        self.mailbox = Mailbox()
+        self.window = P2P_WINDOW_BYTES
+        self.mailbox = Mailbox(self.window)
+        self._unacked = collections.defaultdict(int)  # peer -> point-to-point bytes in flight
+        self.running = {}   # comm id -> sequence number of the collective running here
+        self._answers = {}  # peer -> its PONG state for the probe in progress
+        self._probing = None  # (comm id, seq) of the probe in progress
 
     # -- what subclasses provide -------------------------------------------------------
     @abstractmethod
@@ -44,11 +65,88 @@ class Transport(ABC):
         """Tell peers this rank is done and release every resource."""
 
     # -- the shared part ---------------------------------------------------------------
+    def started(self, comm_id, seq):
+        """Collective ``seq`` of ``comm_id`` is running on this rank (for PONG answers)."""
+        self.running[comm_id] = seq
+
+    def _state(self, comm_id, seq):
+        if seq <= self.mailbox.retired(comm_id):
+            return FINISHED
+        return INSIDE if self.running.get(comm_id) == seq else NOT_REACHED
+
+    def _control(self, header):
+        """Handle a PING or PONG; True if ``header`` was one."""
+        if header.kind == Kind.PING:
+            key = header.key
+            answer = frame.Key(key.comm_id, 0, key.seq, self._state(key.comm_id, key.seq), 0)
+            try:
+                self._post(header.src, frame.pack(Kind.PONG, self.rank, answer, 0, bytes(16)), b"")
+            except CommError:  # the asker is gone: nobody to answer
+                pass
+            return True
+        if header.kind == Kind.CREDIT:
+            left = self._unacked[header.src] - CREDIT.unpack(header.sig)[0]
+            self._unacked[header.src] = max(0, left)
+            return True
+        if header.kind == Kind.PONG:
+            if self._probing == (header.key.comm_id, header.key.seq):
+                self._answers[header.src] = header.key.step
+            return True
+        return False
+
+    def probe(self, peers, comm_id, seq, wait=PROBE_WAIT):
+        """Ask ``peers`` (global ranks) about collective ``seq``; waits ``wait`` s at most.
+
+        Returns ``(silent, not_reached)``: the peers that did not answer (stopped, hung, or
+        gone) and those that answered but have not started the collective."""
+        others = [p for p in peers if p != self.rank]
+        self._probing, self._answers = (comm_id, seq), {}
+        ping = frame.pack(Kind.PING, self.rank, frame.Key(comm_id, 0, seq, 0, 0), 0, bytes(16))
+        for peer in others:
+            try:
+                self._post(peer, ping, b"")
+            except Exception:  # noqa: BLE001 - a peer that cannot be asked stays silent
+                pass
+        deadline = time.monotonic() + wait
+        while len(self._answers) < len(others) and time.monotonic() < deadline:
+            self._pump(0.02)
+        answers, self._probing = self._answers, None
+        silent = [p for p in others if p not in answers]
+        return silent, [p for p in others if answers.get(p) == NOT_REACHED]
+
     def send(self, dst, key, sig, payload, copy=False):
         """Send ``payload`` (a contiguous array or bytes) to global rank ``dst``; returns
         the tracker of a zero-copy send, else ``None``. ``copy=True``: never zero-copy."""
         nbytes = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
+        if key.space == 1:
+            self._unacked[dst] += nbytes
+        return self._send(dst, key, sig, payload, nbytes, copy)
+
+    def _send(self, dst, key, sig, payload, nbytes, copy):
+        """One DATA message (subclasses may carry it another way)."""
         return self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload, copy)
+
+    # -- point-to-point flow control (see ringcomm.p2p) -------------------------------------
+    def window_left(self, peer):
+        """Bytes of point-to-point data this rank may still send ``peer`` before it takes any."""
+        return self.window - self._unacked[peer]
+
+    def window_open(self, peer, nbytes):
+        """True if ``nbytes`` more may go to ``peer`` now (always when nothing is in flight)."""
+        return self._unacked[peer] == 0 or self._unacked[peer] + nbytes <= self.window
+
+    def check(self, peer, deadline, what):
+        """Raise if ``peer`` is gone or ``deadline`` passed (for a wait outside :meth:`recv`)."""
+        self._check_peers(what, peer)
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"{what}; rank {self.rank} gave up", rank=peer)
+
+    def _credit(self, src, key, nbytes):
+        """Tell ``src`` that this rank took ``nbytes`` of its point-to-point data."""
+        try:
+            self._post(src, frame.pack(Kind.CREDIT, self.rank, key, 0, CREDIT.pack(nbytes)), b"")
+        except CommError:  # the sender is gone: nobody waits for the credit
+            pass
 
     def pump(self, timeout):
         """Let arrived messages in (used by the engine while deferred work waits)."""
@@ -57,6 +155,8 @@ class Transport(ABC):
     def poll(self, src, key, sig, deadline, what):
         """Like :meth:`recv` but never waits: the payload, or ``None`` if not here yet."""
         payload = self.mailbox.take(src, key, sig)
+        if payload is not None and key.space == 1:
+            self._credit(src, key, memoryview(payload).nbytes)
         if payload is None:
             self._check_peers(what, src)
             if time.monotonic() > deadline:
@@ -69,6 +169,8 @@ class Transport(ABC):
         while True:
             payload = self.mailbox.take(src, key, sig)
             if payload is not None:
+                if key.space == 1:
+                    self._credit(src, key, memoryview(payload).nbytes)
                 return payload
             self._check_peers(what, src)
             remaining = deadline - time.monotonic()

@@ -12,7 +12,11 @@ magic  4 bytes ``RCM1``; anything else is a foreign frame
 version u8     1
 kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the payload
                is a notice naming a shared-memory slot that holds the data), LANE (the
-               sender's shared-memory lane to the receiver is ready; see ``.shm``)
+               sender's shared-memory lane to the receiver is ready; see ``.shm``), PING
+               (are you alive, and where are you in collective ``seq``?), PONG (the
+               answer: ``step`` holds the state, see ``ringcomm.transport.base``), CREDIT
+               (the receiver took a point-to-point message: ``sig`` holds its byte count
+               as a u64, see ``ringcomm.p2p``)
 space  u8      0 = collective, 1 = point-to-point
 src    u32     the sender's global rank
 comm   u32     communicator id (0 = world; groups get a hash)
@@ -34,7 +38,7 @@ from typing import NamedTuple
 from ..errors import FrameError
 
 MAGIC = b"RCM1"
-VERSION = 2  # 2: one-frame messages, SHM notices, LANE
+VERSION = 3  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT
 HEADER = struct.Struct("<4sBBBxIIQIIQ16s")
 MAX_ABORT_BYTES = 4096  # an abort's payload is a UTF-8 reason, never larger than this
 SHM_NOTICE_BYTES = 16   # see ringcomm.transport.shm.NOTICE
@@ -46,6 +50,9 @@ class Kind(IntEnum):
     ABORT = 3
     SHM = 4
     LANE = 5
+    PING = 6
+    PONG = 7
+    CREDIT = 8
 
 
 class Key(NamedTuple):

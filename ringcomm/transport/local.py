@@ -44,7 +44,9 @@ class LocalTransport(Transport):
         except queue.Empty:
             return
         while True:
-            self.mailbox.put(frame.unpack(header, len(data), self.world_size, self.rank), data)
+            parsed = frame.unpack(header, len(data), self.world_size, self.rank)
+            if not self._control(parsed):
+                self.mailbox.put(parsed, data)
             try:
                 header, data = self.hub.queues[self.rank].get_nowait()
             except queue.Empty:

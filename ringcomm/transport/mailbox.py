@@ -33,7 +33,10 @@ def abort_code(exc):
 
 
 class Mailbox:
-    def __init__(self):
+    def __init__(self, window=None):
+        self.window = window  # point-to-point bytes a sender may leave unreceived here
+        self._p2p_pending = defaultdict(int)  # src -> point-to-point bytes not yet taken
+        self._flooded = {}                    # src -> why its point-to-point data was refused
         self._messages = {}
         self._signatures = defaultdict(dict)  # (comm, seq) -> {src: sig}
         self._aborts = {}                     # (comm, seq) -> exception to raise
@@ -82,6 +85,16 @@ class Mailbox:
             log.warning("dropping duplicate message %s from rank %d", key, header.src)
             self.dropped += 1
             return
+        if key.space == 1 and self.window is not None:
+            nbytes, pending = memoryview(payload).nbytes, self._p2p_pending[header.src]
+            if pending and pending + nbytes > self.window:  # a sender ignoring its window
+                if header.src not in self._flooded:
+                    log.error("rank %d sends point-to-point data past the flow-control window "
+                              "(%d bytes unreceived): refusing it", header.src, pending)
+                self._flooded[header.src] = pending
+                self.dropped += 1
+                return
+            self._p2p_pending[header.src] = pending + nbytes
         self._messages[ident] = (header.sig, payload)
         if key.space == 0:
             self._signatures[(key.comm_id, key.seq)].setdefault(header.src, header.sig)
@@ -111,12 +124,22 @@ class Mailbox:
             for peer, theirs in self._signatures.get((key.comm_id, key.seq), {}).items():
                 if theirs != sig:
                     raise SignatureMismatch(peer, theirs, sig)
+        if key.space == 1 and src in self._flooded:
+            raise CommError(f"rank {src} sent more point-to-point data than the flow-control "
+                            f"window allows ({self._flooded[src]} bytes unreceived, window "
+                            f"{self.window}); its data was refused")
         item = self._messages.pop((src, *key), None)
         if item is None:
             return None
+        if key.space == 1 and self.window is not None:
+            self._p2p_pending[src] -= memoryview(item[1]).nbytes
         if item[0] != sig:
             raise SignatureMismatch(src, item[0], sig)
         return item[1]
+
+    def retired(self, comm_id):
+        """The highest retired sequence number of ``comm_id`` (-1: none yet)."""
+        return self._retired.get(comm_id, -1)
 
     def retire(self, comm_id, seq, failed=False):
         """Collective ``seq`` of ``comm_id`` is over: forget it and drop its stragglers."""

@@ -130,15 +130,13 @@ class ZmqTransport(Transport):
             self._pump(0.05)
 
     # -- sending -------------------------------------------------------------------------
-    def send(self, dst, key, sig, payload, copy=False):
+    def _send(self, dst, key, sig, payload, nbytes, copy):
         lane = self._out_lanes.get(dst)
-        if lane is not None:
-            nbytes = memoryview(payload).nbytes
-            if SHM_MIN_BYTES <= nbytes <= lane.slot_bytes:
-                notice = lane.put(payload)
-                if notice is not None:
-                    return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
-        return super().send(dst, key, sig, payload, copy)
+        if lane is not None and SHM_MIN_BYTES <= nbytes <= lane.slot_bytes:
+            notice = lane.put(payload)
+            if notice is not None:
+                return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
+        return super()._send(dst, key, sig, payload, nbytes, copy)
 
     @property
     def lane_peers(self):
@@ -261,7 +259,7 @@ class ZmqTransport(Transport):
                 continue
             if header.kind == Kind.BYE:
                 self._said_bye.add(header.src)
-            else:
+            elif not self._control(header):
                 self.mailbox.put(header, payload)
 
     def _on_monitor(self, monitor):

@@ -1,12 +1,15 @@
 """Bad input gets a clear error and loses nothing; disagreeing ranks, dead peers and
 deadlines end in a CommError on every rank, never in a hang."""
+import os
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 import ringcomm
-from harness import spawn_job
+from harness import free_port, job_env, spawn_job
 from ringcomm import CollectiveMismatch
 
 pytestmark = pytest.mark.timeout(60)
@@ -173,15 +176,53 @@ TIMEOUT = textwrap.dedent("""
         try:
             comm.all_reduce(x, algorithm="ring")
         except ringcomm.CommTimeout as exc:
-            print(f"after={time.monotonic() - t:.2f} {exc}")
+            print(f"after={time.monotonic() - t:.2f} blames={exc.rank} {exc}")
 """)
 
 
 def test_deadline_names_collective_and_rank():
+    """Rank 1 is busy (alive, answering liveness checks) instead of joining the collective."""
     results = spawn_job(TIMEOUT, 2, timeout=30)
     out = results[0][1]
-    assert "all_reduce #" in out and "rank 1" in out, results[0]
+    assert "all_reduce #" in out and "blames=1" in out and "never started" in out, results[0]
     assert 0.9 < float(out.split("after=")[1].split()[0]) < 3.0
+
+
+HUNG = textwrap.dedent("""
+    import os, signal, time, numpy as np, ringcomm
+    comm = ringcomm.init(timeout=2.0)
+    x = np.ones(1 << 16, np.float32)
+    comm.all_reduce(x)
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    t = time.monotonic()
+    try:
+        comm.all_reduce(x)
+    except ringcomm.CommTimeout as exc:
+        print(f"after={time.monotonic() - t:.2f} blames={exc.rank} {exc}", flush=True)
+        t = time.monotonic()
+        comm.close()
+        print(f"closed={time.monotonic() - t:.2f}", flush=True)
+""")
+
+
+def test_a_stopped_rank_is_named_by_every_survivor_and_close_is_quick():
+    """Rank 2 is stopped (SIGSTOP) between collectives: ranks 0, 1 and 3 time out naming rank
+    2 (not the rank each waited for), within the deadline and a liveness check, and close
+    their communicator in about a second instead of waiting for its goodbye."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", HUNG], env=dict(os.environ, **job_env(r, 4, port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    try:
+        outs = {r: procs[r].communicate(timeout=40) for r in (0, 1, 3)}
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    for rank, (out, err) in outs.items():
+        assert "blames=2" in out and "rank 2 stopped answering" in out, f"rank {rank}: {out}\n{err}"
+        assert float(out.split("after=")[1].split()[0]) < 2.0 + 1.5, out
+        assert float(out.split("closed=")[1].split()[0]) < 2.5, out
 
 
 CLOSED = textwrap.dedent("""

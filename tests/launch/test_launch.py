@@ -386,3 +386,33 @@ def test_workers_do_not_outlive_a_sigkilled_launcher(tmp_path):
         for p in locals().get("pids", []):
             if not pid_gone(p):
                 os.kill(p, signal.SIGKILL)
+
+
+STOPS = """
+import os, signal, time, numpy as np, ringcomm
+comm = ringcomm.init()
+x = np.ones(1000)
+comm.all_reduce(x)
+if comm.rank == 1:
+    print(f"stopping at {time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+comm.all_reduce(x)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_launcher_names_a_stopped_rank_and_ends_within_the_deadline(tmp_path):
+    """Rank 1 stops (SIGSTOP) between collectives, --timeout 3: the launcher reports ranks 0
+    and 2 as its victims, names rank 1, and the job is over within the deadline + 5 s."""
+    script = write_script(tmp_path, STOPS)
+    res = run_launcher("--nproc", 3, "--timeout", 3, script, timeout=50)
+    ended = time.time()
+    assert res.returncode == 1, res.stderr
+    assert "rank 1 stopped answering its peers (named by rank(s) 0, 2)" in res.stderr, res.stderr
+    for rank in (0, 2):
+        assert f"rank {rank} (local rank {rank}, pid" in res.stderr
+        assert re.search(rf"rank {rank} \(local rank {rank}, pid \d+\) exited because of rank 1: "
+                         r"exit code 1: CommTimeout", res.stderr), res.stderr
+    assert "rank 1 (local rank 1" not in res.stderr  # the stopped rank is not reported as failed
+    stopped = float(re.search(r"stopping at ([\d.]+)", res.stdout).group(1))
+    assert ended - stopped < 3 + 5, res.stderr
