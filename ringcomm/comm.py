@@ -56,6 +56,19 @@ def _check_array(x, name, writable=True, device=None):
     return x.reshape(-1)
 
 
+def _agreed(body):
+    """``body`` after every rank has seen every other rank's signature (:meth:`Link.agree`).
+
+    In a broadcast or a reduce some ranks only send (the root of a broadcast, the leaves of a
+    reduce), so a rank that disagrees on the root could finish without noticing; agreeing
+    first makes the mismatch fail that very call on every rank, and keeps any rank from
+    running more than one rooted collective ahead of the others."""
+    def agreed(link):
+        link.agree()
+        return body(link)
+    return agreed
+
+
 def _address(a):
     """Start address of an array's data (numpy or CuPy)."""
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
@@ -148,7 +161,7 @@ class Communicator:
         algo = self._algorithm(algorithm, "broadcast", x.nbytes)
         body = {"ring": lambda link: ring.broadcast(link, flat, root, link.segment_bytes),
                 "ps": lambda link: ps.broadcast(link, flat, root)}[algo]
-        return self._submit("broadcast", body, x.dtype, x.size, None, algo, root, async_op, x, staged=x)
+        return self._submit("broadcast", _agreed(body), x.dtype, x.size, None, algo, root, async_op, x, staged=x)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto", async_op=False):
         """``x`` on ``root`` becomes ``op`` over all ranks; ``x`` elsewhere is unchanged.
@@ -162,7 +175,7 @@ class Communicator:
         algo = self._algorithm(algorithm, "reduce", x.nbytes)
         body = {"ring": lambda link: ring.reduce(link, flat, root, op, link.segment_bytes),
                 "ps": lambda link: ps.reduce(link, flat, root, op)}[algo]
-        return self._submit("reduce", body, x.dtype, x.size, op, algo, root, async_op, x, staged=x)
+        return self._submit("reduce", _agreed(body), x.dtype, x.size, op, algo, root, async_op, x, staged=x)
 
     def barrier(self, algorithm="auto", async_op=False):
         """Returns once every rank of the group has entered. ``auto``: dissemination
@@ -236,9 +249,12 @@ class Communicator:
 
     def close(self):
         """Release the communicator. Closing the world also stops the communication thread
-        after the queued work and says goodbye to every peer; idempotent."""
+        after the queued work and says goodbye to every peer; idempotent. Raises
+        :class:`CommError` (and closes nothing) while another thread has a collective in
+        progress on it."""
         if self._closed:
             return
+        self._threads.check_idle("close()")
         self._closed = True
         if self._is_world:
             self._engine.close()

@@ -194,7 +194,8 @@ class Engine:
         for work in deferred:
             work._fail(CommError(f"{work.what}: communicator closed before it completed"))
         try:
-            self.transport.close()
+            with self._busy:  # a caller thread may still run a collective inline
+                self.transport.close()
         except Exception:  # noqa: BLE001 - nothing left to report to
             log.exception("error while closing the transport")
 

@@ -47,7 +47,7 @@ failed rank (``ringcomm.launch: rank 2 (local rank 2, pid 1234) failed: exit cod
 ValueError: ...``; each worker writes its uncaught exception to ``RINGCOMM_ERROR_FILE``).
 When failed ranks blame another one (a ``CommTimeout`` after a liveness check, a
 ``PeerLost``), they are reported as its victims and it is named: ``rank 1 stopped answering
-its peers (named by rank(s) 0, 2)``, and killed at once if it still runs. Then the launcher
+its peers (named by rank(s) 0, 2); it is still running, stopped or hung: killing it now``. Then the launcher
 sends SIGTERM to every worker's process group, waits 3 s, SIGKILLs whatever is left and
 reaps all workers.  It then restarts
 the group if restarts remain.  Exit status: 0 if every worker exited 0, 1 after
@@ -245,10 +245,15 @@ class WorkerGroup:
         for culprit, namers in sorted(blamed.items()):
             worker = by_rank.get(culprit)
             running = worker is not None and worker.proc.poll() is None
-            state = ("still running: stopped or hung; killing it now" if running else
-                     "on another node" if worker is None else f"ended with {_describe(worker.proc.returncode)}")
-            log(f"rank {culprit} stopped answering its peers (named by rank(s) "
-                f"{', '.join(map(str, sorted(namers)))}); it is {state}")
+            named = f"named by rank(s) {', '.join(map(str, sorted(namers)))}"
+            if running:
+                log(f"rank {culprit} stopped answering its peers ({named}); it is still running, "
+                    f"stopped or hung: killing it now")
+            elif worker is None:
+                log(f"rank {culprit}, on another node, failed its peers here ({named})")
+            else:
+                log(f"rank {culprit} was lost by its peers ({named}): "
+                    f"{_describe(worker.proc.returncode)}")
             if running:
                 self._signal_group(worker, signal.SIGKILL)
                 try:

@@ -31,6 +31,7 @@ class Stats:
 
 
 HOST = HostDevice()
+AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches it
 
 
 class Link:
@@ -64,13 +65,7 @@ class Link:
         array over the received buffer (on the device, for device collectives). With
         ``wait=False``: ``None`` if not arrived yet."""
         key = Key(self.comm_id, self.space, self.seq, step, segment)
-        get = self.transport.recv if wait else self.transport.poll
-        try:
-            payload = get(self.ranks[peer], key, self.sig, self.deadline, self.what)
-        except CommTimeout as exc:
-            if exc.remote:  # another rank's verdict, already blamed there
-                raise
-            raise self._blame(exc, self.ranks[peer]) from None
+        payload = self._take(self.ranks[peer], key, wait)
         if payload is None:
             return None
         nbytes = memoryview(payload).nbytes
@@ -82,6 +77,28 @@ class Link:
         self.stats.bytes_received += nbytes
         self.stats.messages_received += 1
         return self.device.stage_in(np.frombuffer(payload, self.dtype, count))
+
+    def agree(self):
+        """Exchange an empty message with every other rank of the group, so that each rank
+        checks every other's signature (a mismatch raises here, on every rank). Costs one
+        message latency and n−1 empty messages per rank."""
+        key = Key(self.comm_id, self.space, self.seq, AGREE_STEP, 0)
+        others = [r for i, r in enumerate(self.ranks) if i != self.rank]
+        for peer in others:
+            self.transport.send(peer, key, self.sig, b"")
+        for peer in others:
+            self._take(peer, key)
+
+    def _take(self, src, key, wait=True):
+        """The payload of ``key`` from global rank ``src`` (``None``: not here, ``wait=False``);
+        a timeout names whoever a liveness check finds to blame."""
+        get = self.transport.recv if wait else self.transport.poll
+        try:
+            return get(src, key, self.sig, self.deadline, self.what)
+        except CommTimeout as exc:
+            if exc.remote:  # another rank's verdict, already blamed there
+                raise
+            raise self._blame(exc, src) from None
 
     def _blame(self, timeout, src):
         """The timeout to raise after asking who stopped answering (see Transport.probe)."""

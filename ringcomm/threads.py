@@ -42,6 +42,17 @@ class ThreadGuard:
             user[0] += 1
             return user
 
+    def check_idle(self, what):
+        """Raise :class:`CommError` if a thread other than this one has a call in progress."""
+        me = threading.get_ident()
+        with self._lock:
+            for ident, (inside, works) in self._users.items():
+                works[:] = [w for w in works if not w.is_completed()]
+                if ident != me and (inside or works):
+                    raise CommError(f"{self.name}: {what} called while another thread has a "
+                                    f"collective in progress on this communicator; call it after "
+                                    f"that collective returns")
+
     def leave(self, user, work=None):
         """The call returned; an unfinished ``work`` keeps the claim until it completes."""
         with self._lock:

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 
 ABORT_SIG = struct.Struct("<BI11x")  # an abort's signature field: error class, lost rank
 NO_RANK = 0xFFFFFFFF
+# No rank finishes a collective before every rank has started it (broadcast and reduce
+# agree first), so an honest peer sends for at most the collective after the one running
+# here: data further ahead is refused (the real transport sets this; unit tests number freely)
+MAX_LEAD = 2
 ABORT_CLASSES = {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError}
 ABORT_CODES = {cls: code for code, cls in ABORT_CLASSES.items()}
 
@@ -33,10 +37,11 @@ def abort_code(exc):
 
 
 class Mailbox:
-    def __init__(self, window=None):
+    def __init__(self, window=None, max_lead=None):
         self.window = window  # point-to-point bytes a sender may leave unreceived here
+        self.max_lead = max_lead  # how far past the last retired collective data may come
         self._p2p_pending = defaultdict(int)  # src -> point-to-point bytes not yet taken
-        self._flooded = {}                    # src -> why its point-to-point data was refused
+        self._flooded = {}                    # (src, space) -> why its data was refused
         self._messages = {}
         self._signatures = defaultdict(dict)  # (comm, seq) -> {src: sig}
         self._aborts = {}                     # (comm, seq) -> exception to raise
@@ -80,6 +85,14 @@ class Mailbox:
         if key.space == 0 and key.seq <= self._retired.get(key.comm_id, -1):
             self.dropped += 1
             return
+        if key.space == 0 and self.max_lead is not None and \
+                key.seq > self._retired.get(key.comm_id, -1) + self.max_lead:
+            if (header.src, 0) not in self._flooded:
+                log.error("rank %d sends data for collective #%d, more than one ahead of this "
+                          "rank: refusing it", header.src, key.seq)
+            self._flooded[(header.src, 0)] = f"data for collective #{key.seq} of communicator {key.comm_id}"
+            self.dropped += 1
+            return
         ident = (header.src, *key)
         if ident in self._messages:
             log.warning("dropping duplicate message %s from rank %d", key, header.src)
@@ -88,10 +101,11 @@ class Mailbox:
         if key.space == 1 and self.window is not None:
             nbytes, pending = memoryview(payload).nbytes, self._p2p_pending[header.src]
             if pending and pending + nbytes > self.window:  # a sender ignoring its window
-                if header.src not in self._flooded:
+                if (header.src, 1) not in self._flooded:
                     log.error("rank %d sends point-to-point data past the flow-control window "
                               "(%d bytes unreceived): refusing it", header.src, pending)
-                self._flooded[header.src] = pending
+                self._flooded[(header.src, 1)] = (f"{pending} bytes of point-to-point data unreceived, "
+                                             f"past the flow-control window of {self.window}")
                 self.dropped += 1
                 return
             self._p2p_pending[header.src] = pending + nbytes
@@ -124,10 +138,9 @@ class Mailbox:
             for peer, theirs in self._signatures.get((key.comm_id, key.seq), {}).items():
                 if theirs != sig:
                     raise SignatureMismatch(peer, theirs, sig)
-        if key.space == 1 and src in self._flooded:
-            raise CommError(f"rank {src} sent more point-to-point data than the flow-control "
-                            f"window allows ({self._flooded[src]} bytes unreceived, window "
-                            f"{self.window}); its data was refused")
+        if (src, key.space) in self._flooded:
+            raise CommError(f"rank {src} sent more than a well-behaved rank can "
+                            f"({self._flooded[(src, key.space)]}); its data was refused")
         item = self._messages.pop((src, *key), None)
         if item is None:
             return None

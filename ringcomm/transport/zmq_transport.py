@@ -34,6 +34,7 @@ from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
 from .frame import Kind
+from .mailbox import MAX_LEAD
 from .shm import SHM_DIR, InLanes, OutLane, lane_path
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class ZmqTransport(Transport):
     def __init__(self, rank, world_size, context, pull, endpoints, socket_ids=None, grace=1.0,
                  close_wait=CLOSE_WAIT, cleanup=(), guard=None, lanes=None):
         super().__init__(rank, world_size)
+        self.mailbox.max_lead = MAX_LEAD
         self._plan = lanes
         self._out_lanes = {}  # peer -> OutLane
         self._in_lanes = InLanes(lanes.slots, lanes.slot_bytes) if lanes else None

@@ -70,8 +70,8 @@ def test_local_misuse_raises_before_sending(pools, n):
 def disagree(comm, how):
     """Rank 1 calls something different from everyone else; returns what each rank raised.
 
-    A rank that only sends in that collective (a broadcast root) cannot notice at once; it
-    learns at its next collective on the communicator, which then fails on every rank.
+    A rank that only sent in a collective may finish it before the others' abort arrives;
+    it learns at its next collective on the communicator, which then fails on every rank.
     Returns every error message and the result of the last of three all-reduces.
     """
     odd = comm.rank == 1
@@ -295,3 +295,56 @@ def test_concurrent_use_from_two_threads_is_refused_before_sending(pools):
     assert blocking and "broadcast called from one thread while another has a collective in progress" in blocking
     assert async_pending and "barrier called from one thread" in async_pending
     assert unchanged and got == [0.0, 1.0, 2.0, 3.0] and first == first1 == 3.0 and y == y1 == 3.0
+
+
+def root_disagree(comm, collective, algorithm):
+    """Rank 1 names another root than the others: the call itself raises on every rank."""
+    x = np.ones(10, np.float32)
+    root = 1 if comm.rank == 1 else 0
+    try:
+        getattr(comm, collective)(x, root=root, algorithm=algorithm)
+        raised = None
+    except CollectiveMismatch as exc:
+        raised = str(exc)
+    y = np.full(3, comm.rank, np.int64)
+    comm.all_reduce(y)  # nothing is left over to fail a later collective
+    return raised, int(y[0])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("algorithm", ["ring", "ps"])
+@pytest.mark.parametrize("collective", ["broadcast", "reduce"])
+def test_root_mismatch_fails_that_call_on_every_rank(pools, n, collective, algorithm):
+    results = pools(n).run(root_disagree, collective, algorithm)
+    for rank, (raised, y) in enumerate(results):
+        assert raised is not None, f"rank {rank} finished the {collective} without noticing"
+        assert y == sum(range(n))
+    assert any("root=1" in raised and "root=0" in raised for raised, _ in results)
+
+
+def close_during_a_collective(comm):
+    """Rank 0 closes from a second thread while its first thread waits in an all-reduce."""
+    import threading
+    import time
+    x = np.full(1000, comm.rank + 1.0)
+    if comm.rank == 1:
+        time.sleep(1.0)
+        comm.all_reduce(x)
+        return None, float(x[0])
+    worker = threading.Thread(target=comm.all_reduce, args=(x,))
+    worker.start()
+    time.sleep(0.3)
+    try:
+        comm.close()
+        raised = None
+    except ringcomm.CommError as exc:
+        raised = str(exc)
+    worker.join(10)
+    return raised, float(x[0])
+
+
+def test_close_racing_a_collective_raises_comm_error(pools):
+    (raised, x0), (_, x1) = pools(2).run(close_during_a_collective)
+    assert raised and "another thread has a collective in progress" in raised
+    assert x0 == x1 == 3.0  # the collective itself completed, and the communicator is open
+    assert pools(2).run(close_during_a_collective)[0][1] == 3.0

@@ -416,3 +416,27 @@ def test_launcher_names_a_stopped_rank_and_ends_within_the_deadline(tmp_path):
     assert "rank 1 (local rank 1" not in res.stderr  # the stopped rank is not reported as failed
     stopped = float(re.search(r"stopping at ([\d.]+)", res.stdout).group(1))
     assert ended - stopped < 3 + 5, res.stderr
+
+
+LEAVES_A_SOCKET = """
+import os, signal, ringcomm
+comm = ringcomm.init()
+print("socket", comm._engine.transport.local_endpoints["ipc"][len("ipc://"):], flush=True)
+comm.barrier()
+if comm.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+comm.barrier()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_removes_the_sockets_of_killed_workers(tmp_path):
+    script = write_script(tmp_path, LEAVES_A_SOCKET)
+    res = run_launcher("--nproc", 2, "--timeout", 5, script, timeout=50)
+    assert res.returncode == 1
+    paths = re.findall(r"socket (\S+)", res.stdout)
+    assert len(paths) == 2, res.stdout
+    for path in paths:
+        assert not os.path.exists(path), path
+    assert "rank 1 stopped answering" not in res.stderr  # killed, not stopped
+    assert re.search(r"rank 0 \(local rank 0, pid \d+\) exited because of rank 1: exit code 1: PeerLost", res.stderr), res.stderr

@@ -363,3 +363,24 @@ def test_transport_poll_never_waits():
     assert bytes(t0.poll(1, key, SIG_A, time.monotonic() + 5, "test")) == b"hi"
     with pytest.raises(CommTimeout, match="rank 1"):
         t0.poll(1, key, SIG_A, time.monotonic() - 1, "test")
+
+
+def test_collective_data_too_far_ahead_is_refused_and_named():
+    box = Mailbox(max_lead=2)
+    put(box, data(1, Key(0, 0, 1, 0, 0), b"ok"))      # one ahead of the running #0: fine
+    put(box, data(1, Key(0, 0, 3, 0, 0), b"no"))      # #3 while nothing retired: impossible
+    assert box.dropped == 1
+    with pytest.raises(CommError, match="rank 1 sent more than a well-behaved rank can"):
+        box.take(1, Key(0, 0, 1, 0, 0), SIG_A)
+    assert box.take(2, Key(0, 1, 0, 0, 0), SIG_A) is None  # its point-to-point data is apart
+
+
+def test_point_to_point_past_the_window_is_refused():
+    box = Mailbox(window=8)
+    put(box, data(1, Key(0, 1, 0, 0, 0), b"12345"))
+    put(box, data(1, Key(0, 1, 1, 0, 0), b"678"))     # 8 bytes: still inside
+    assert box.take(1, Key(0, 1, 0, 0, 0), SIG_A) == b"12345"
+    put(box, data(1, Key(0, 1, 2, 0, 0), b"abcdef"))  # 3 + 6 > 8: refused
+    assert box.dropped == 1
+    with pytest.raises(CommError, match="flow-control window"):
+        box.take(1, Key(0, 1, 1, 0, 0), SIG_A)
