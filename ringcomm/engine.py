@@ -232,8 +232,11 @@ class Engine:
         try:
             if not work._run(self.transport):  # a receive still waiting: the thread finishes it
                 with self.lock:
-                    self._pending += 1
-                    self._queue.put(work)  # _run sees it began: only _advance remains
+                    if self.closed:  # the thread is stopping: nobody would finish it
+                        work._fail(CommError(f"{work.what}: communicator closed before it completed"))
+                    else:
+                        self._pending += 1
+                        self._queue.put(work)  # _run sees it began: only _advance remains
         finally:
             self._busy.release()
         return work

@@ -246,7 +246,11 @@ class WorkerGroup:
             worker = by_rank.get(culprit)
             running = worker is not None and worker.proc.poll() is None
             named = f"named by rank(s) {', '.join(map(str, sorted(namers)))}"
-            if running:
+            said = " ".join(str(reports[r].get("message")) for r in namers)
+            if running and "never started" in said and "stopped answering" not in said:
+                log(f"rank {culprit} is alive but never started the collective its peers waited "
+                    f"in ({named}): killing it now")
+            elif running:
                 log(f"rank {culprit} stopped answering its peers ({named}); it is still running, "
                     f"stopped or hung: killing it now")
             elif worker is None:

@@ -6,9 +6,11 @@ user can open: ``$XDG_RUNTIME_DIR/ringcomm`` when that exists, else
 ``<tmp>/ringcomm-<uid>``, created with mode 0700. A directory found there that another user
 owns, or that others may open, is refused rather than used.
 
-Files are named after the process that made them (``<pid>-...``), so one left behind by a
-killed process is recognised and removed at the next start-up (:func:`remove_stale`) and by
-the launcher when its workers end (:func:`remove_owned_by`).
+Files are named after the process that made them (``<pid namespace>.<pid>-...``, see
+:func:`owner`), so one left behind by a killed process is recognised and removed at the next
+start-up (:func:`remove_stale`) and by the launcher when its workers end
+(:func:`remove_owned_by`). A file made in another pid namespace (another container sharing
+the directory) is never judged: its pid means nothing here.
 """
 import os
 import re
@@ -17,7 +19,25 @@ import tempfile
 
 from .errors import CommError
 
-_OWNED = re.compile(r"(\d+)-")
+_OWNED = re.compile(r"(\d+)\.(\d+)-")
+
+
+def _namespace():
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def owner(pid=None):
+    """``<pid namespace>.<pid>``: who made a file, as its name (or content) records it."""
+    return f"{_namespace()}.{os.getpid() if pid is None else pid}"
+
+
+def owner_gone(tag):
+    """True if ``tag`` (from :func:`owner`) names a process of this namespace that is gone."""
+    match = _OWNED.match(tag + "-")
+    return bool(match) and int(match.group(1)) == _namespace() and not alive(int(match.group(2)))
 
 
 def path():
@@ -55,8 +75,7 @@ def alive(pid):
 def remove_stale(directory):
     """Remove files that processes which no longer exist left in ``directory``."""
     for name in os.listdir(directory):
-        match = _OWNED.match(name)
-        if match and not alive(int(match.group(1))):
+        if owner_gone(name.split("-", 1)[0]):
             try:
                 os.unlink(os.path.join(directory, name))
             except OSError:
@@ -69,7 +88,7 @@ def remove_owned_by(pids):
         directory = path()
     except CommError:
         return
-    prefixes = tuple(f"{pid}-" for pid in pids)
+    prefixes = tuple(f"{owner(pid)}-" for pid in pids)
     for name in os.listdir(directory):
         if name.startswith(prefixes):
             try:

@@ -101,11 +101,12 @@ def _launch_key(info, environ):
 
 
 def _read(path):
-    """(creator pid, secret) from a shared secret file, or None if absent or unreadable."""
+    """(creator, secret) from a shared secret file (creator: :func:`rundir.owner`), or None
+    if absent or unreadable."""
     try:
         with open(path) as f:
-            pid, value = f.read().split()
-        return int(pid), value
+            creator, value = f.read().split()
+        return creator, value
     except (OSError, ValueError):
         return None
 
@@ -116,19 +117,19 @@ def _agree_on_this_host(info, environ):
     if info.local_rank == 0:
         for name in os.listdir(directory):  # left by local ranks 0 killed before everyone joined
             found = _read(os.path.join(directory, name)) if name.startswith("secret-") else None
-            if found and not rundir.alive(found[0]):
+            if found and rundir.owner_gone(found[0]):
                 os.unlink(os.path.join(directory, name))
         value = secrets.token_hex(16)
-        temporary = os.path.join(directory, f"{os.getpid()}-secret.tmp")
+        temporary = os.path.join(directory, f"{rundir.owner()}-secret.tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()} {value}\n")
+            f.write(f"{rundir.owner()} {value}\n")
         os.replace(temporary, path)
         return value, path
     deadline = time.monotonic() + info.timeout
     while time.monotonic() < deadline:
         found = _read(path)
-        if found and rundir.alive(found[0]):
+        if found and not rundir.owner_gone(found[0]):
             return found[1], ""
         time.sleep(0.02)
     raise CommTimeout(

@@ -31,12 +31,10 @@ class ThreadGuard:
         """Claim the communicator for this thread's call (raises if another thread has it)."""
         me = threading.get_ident()
         with self._lock:
-            for ident, (inside, works) in self._users.items():
-                works[:] = [w for w in works if not w.is_completed()]
-                if ident != me and (inside or works):
-                    raise CommError(f"{self.name}: {collective} called from one thread while another has a "
-                                    f"collective in progress on this communicator; use it from one thread at a "
-                                    f"time (new_group makes one per thread)")
+            if self._busy_elsewhere(me):
+                raise CommError(f"{self.name}: {collective} called from one thread while another has a "
+                                f"collective in progress on this communicator; use it from one thread at a "
+                                f"time (new_group makes one per thread)")
             self._users = {i: u for i, u in self._users.items() if u[0] or u[1] or i == me}
             user = self._users.setdefault(me, [0, []])
             user[0] += 1
@@ -44,14 +42,19 @@ class ThreadGuard:
 
     def check_idle(self, what):
         """Raise :class:`CommError` if a thread other than this one has a call in progress."""
-        me = threading.get_ident()
         with self._lock:
-            for ident, (inside, works) in self._users.items():
-                works[:] = [w for w in works if not w.is_completed()]
-                if ident != me and (inside or works):
-                    raise CommError(f"{self.name}: {what} called while another thread has a "
-                                    f"collective in progress on this communicator; call it after "
-                                    f"that collective returns")
+            if self._busy_elsewhere(threading.get_ident()):
+                raise CommError(f"{self.name}: {what} called while another thread has a "
+                                f"collective in progress on this communicator; call it after "
+                                f"that collective returns")
+
+    def _busy_elsewhere(self, me):
+        """True if a thread other than ``me`` has a call inside or async work unfinished."""
+        busy = False
+        for ident, (inside, works) in self._users.items():
+            works[:] = [w for w in works if not w.is_completed()]
+            busy = busy or (ident != me and bool(inside or works))
+        return busy
 
     def leave(self, user, work=None):
         """The call returned; an unfinished ``work`` keeps the claim until it completes."""

@@ -27,7 +27,8 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     comes from when that is not set). ``device``: ``"auto"`` (default,
     or ``RINGCOMM_DEVICE``: GPU ``LOCAL_RANK % device_count`` if CuPy sees one, else the
     CPU), ``"cpu"``, ``"gpu"``, ``"emulated"`` (CPU arrays through the GPU staging path, for
-    tests); ``comm.device`` says which. Returns after every rank joined
+    tests); ``comm.device`` says which. Ranks described by keywords alone (no launcher
+    variables) are taken to share this host. Returns after every rank joined
     and a barrier passed. Without any launcher it returns a 1-rank world.
     """
     info = env.from_environ()
@@ -35,6 +36,10 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
                      master_port=master_port, timeout=timeout, segment_bytes=segment_bytes,
                      encrypt=encrypt)
     info = dataclasses.replace(info, **{k: v for k, v in overrides.items() if v is not None})
+    if world_size is not None and info.source == "none":
+        # ranks described by keywords alone are taken to share this host (ipc, lanes, a
+        # secret agreed locally); ranks on several hosts need the launcher's variables
+        info.local_rank, info.local_world_size = info.rank, info.world_size
     if segment_bytes is None and not os.environ.get("RINGCOMM_SEGMENT_BYTES"):
         info.segment_bytes = env.default_segment_bytes(info)  # for the overridden layout
     env.validate(info)

@@ -6,6 +6,7 @@ import time
 import zmq
 
 from . import rendezvous
+from .base import P2P_WINDOW_BYTES
 from .security import Guard
 from .tuning import raise_fd_limit, tune_malloc
 from . import shm
@@ -60,7 +61,8 @@ def connect(info):
                                            guard, need_tcp)
         entry["shm"] = _shared_memory_entry(info)
         settings = {"segment_bytes": info.segment_bytes,
-                    "shm_slots": info.shm_slots if info.shared_memory else 0}
+                    "shm_slots": info.shm_slots if info.shared_memory else 0,
+                    "p2p_window": P2P_WINDOW_BYTES}
         table = rendezvous.exchange(context, info.rank, info.world_size, info.master_addr,
                                     info.master_port, entry, settings, info.secret, info.job,
                                     info.timeout)

@@ -17,7 +17,7 @@ import struct
 import time
 from abc import ABC, abstractmethod
 
-from ..errors import CommError, CommTimeout
+from ..errors import CommError, CommTimeout, PeerLost
 from . import frame
 from .frame import Kind
 from .mailbox import ABORT_SIG, NO_RANK, Mailbox, abort_code
@@ -27,7 +27,6 @@ PROBE_WAIT = 1.0  # seconds a liveness check waits for answers
 # point-to-point bytes in flight to one peer before a send waits (see ringcomm.p2p)
 P2P_WINDOW_BYTES = int(os.environ.get("RINGCOMM_P2P_WINDOW_BYTES", 64 << 20))
 CREDIT = struct.Struct("<Q8x")  # a CREDIT's signature field: the bytes taken
-_NO_KEY = frame.Key(0, 0, 0, 0, 0)
 
 
 class Transport(ABC):
@@ -38,7 +37,7 @@ class Transport(ABC):
         self.world_size = world_size
         self.window = P2P_WINDOW_BYTES
         self.mailbox = Mailbox(self.window)
-        self._unacked = collections.defaultdict(int)  # peer -> point-to-point bytes in flight
+        self._unacked = collections.defaultdict(int)  # (peer, comm, tag) -> bytes in flight
         self.running = {}   # comm id -> sequence number of the collective running here
         self._answers = {}  # peer -> its PONG state for the probe in progress
         self._probing = None  # (comm id, seq) of the probe in progress
@@ -85,8 +84,8 @@ class Transport(ABC):
                 pass
             return True
         if header.kind == Kind.CREDIT:
-            left = self._unacked[header.src] - CREDIT.unpack(header.sig)[0]
-            self._unacked[header.src] = max(0, left)
+            lane = (header.src, header.key.comm_id, header.key.step)
+            self._unacked[lane] = max(0, self._unacked[lane] - CREDIT.unpack(header.sig)[0])
             return True
         if header.kind == Kind.PONG:
             if self._probing == (header.key.comm_id, header.key.seq):
@@ -119,7 +118,7 @@ class Transport(ABC):
         the tracker of a zero-copy send, else ``None``. ``copy=True``: never zero-copy."""
         nbytes = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
         if key.space == 1:
-            self._unacked[dst] += nbytes
+            self._unacked[(dst, key.comm_id, key.step)] += nbytes
         return self._send(dst, key, sig, payload, nbytes, copy)
 
     def _send(self, dst, key, sig, payload, nbytes, copy):
@@ -127,19 +126,27 @@ class Transport(ABC):
         return self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload, copy)
 
     # -- point-to-point flow control (see ringcomm.p2p) -------------------------------------
-    def window_left(self, peer):
-        """Bytes of point-to-point data this rank may still send ``peer`` before it takes any."""
-        return self.window - self._unacked[peer]
+    def window_left(self, lane):
+        """Bytes of point-to-point data this rank may still send on ``lane`` (peer,
+        communicator id, tag) before the receiver takes any."""
+        return self.window - self._unacked[lane]
 
-    def window_open(self, peer, nbytes):
-        """True if ``nbytes`` more may go to ``peer`` now (always when nothing is in flight)."""
-        return self._unacked[peer] == 0 or self._unacked[peer] + nbytes <= self.window
+    def window_open(self, lane, nbytes):
+        """True if ``nbytes`` more may go on ``lane`` now (always when nothing is in flight)."""
+        return self._unacked[lane] == 0 or self._unacked[lane] + nbytes <= self.window
 
     def check(self, peer, deadline, what):
         """Raise if ``peer`` is gone or ``deadline`` passed (for a wait outside :meth:`recv`)."""
-        self._check_peers(what, peer)
+        self._check_peers(what)
+        if self._closed_by(peer):
+            raise PeerLost(f"{what}: rank {peer} closed its communicator before receiving it",
+                           rank=peer)
         if time.monotonic() > deadline:
             raise CommTimeout(f"{what}; rank {self.rank} gave up", rank=peer)
+
+    def _closed_by(self, peer):
+        """True if ``peer`` said it closed its communicator."""
+        return False
 
     def _credit(self, src, key, nbytes):
         """Tell ``src`` that this rank took ``nbytes`` of its point-to-point data."""

@@ -40,8 +40,9 @@ class Mailbox:
     def __init__(self, window=None, max_lead=None):
         self.window = window  # point-to-point bytes a sender may leave unreceived here
         self.max_lead = max_lead  # how far past the last retired collective data may come
-        self._p2p_pending = defaultdict(int)  # src -> point-to-point bytes not yet taken
-        self._flooded = {}                    # (src, space) -> why its data was refused
+        self._p2p_pending = defaultdict(int)  # (src, comm, tag) -> point-to-point bytes not taken
+        self._flooded = {}                    # (src, comm, tag) -> why its data was refused
+        self._too_early = {}                  # (comm, seq) -> rank whose data for it was refused
         self._messages = {}
         self._signatures = defaultdict(dict)  # (comm, seq) -> {src: sig}
         self._aborts = {}                     # (comm, seq) -> exception to raise
@@ -87,10 +88,11 @@ class Mailbox:
             return
         if key.space == 0 and self.max_lead is not None and \
                 key.seq > self._retired.get(key.comm_id, -1) + self.max_lead:
-            if (header.src, 0) not in self._flooded:
+            # (after failures a rank may honestly run ahead: only that collective fails)
+            if (key.comm_id, key.seq) not in self._too_early:
                 log.error("rank %d sends data for collective #%d, more than one ahead of this "
                           "rank: refusing it", header.src, key.seq)
-            self._flooded[(header.src, 0)] = f"data for collective #{key.seq} of communicator {key.comm_id}"
+            self._too_early[(key.comm_id, key.seq)] = header.src
             self.dropped += 1
             return
         ident = (header.src, *key)
@@ -99,16 +101,18 @@ class Mailbox:
             self.dropped += 1
             return
         if key.space == 1 and self.window is not None:
-            nbytes, pending = memoryview(payload).nbytes, self._p2p_pending[header.src]
+            lane = (header.src, key.comm_id, key.step)  # a window per peer, communicator and tag
+            nbytes, pending = memoryview(payload).nbytes, self._p2p_pending[lane]
             if pending and pending + nbytes > self.window:  # a sender ignoring its window
-                if (header.src, 1) not in self._flooded:
-                    log.error("rank %d sends point-to-point data past the flow-control window "
-                              "(%d bytes unreceived): refusing it", header.src, pending)
-                self._flooded[(header.src, 1)] = (f"{pending} bytes of point-to-point data unreceived, "
-                                             f"past the flow-control window of {self.window}")
+                if lane not in self._flooded:
+                    log.error("rank %d sends point-to-point data with tag %d past the "
+                              "flow-control window (%d bytes unreceived): refusing it",
+                              header.src, key.step, pending)
+                self._flooded[lane] = (f"{pending} bytes of point-to-point data with tag {key.step} "
+                                       f"unreceived, past the flow-control window of {self.window}")
                 self.dropped += 1
                 return
-            self._p2p_pending[header.src] = pending + nbytes
+            self._p2p_pending[lane] = pending + nbytes
         self._messages[ident] = (header.sig, payload)
         if key.space == 0:
             self._signatures[(key.comm_id, key.seq)].setdefault(header.src, header.sig)
@@ -132,20 +136,25 @@ class Mailbox:
         """
         if key.space == 0:
             self.raise_poison(key.comm_id)
+            early = self._too_early.get((key.comm_id, key.seq))
+            if early is not None:
+                raise CommError(f"rank {early} sent data for this collective while this rank was "
+                                f"more than one collective behind; it was refused")
             abort = self._aborts.get((key.comm_id, key.seq))
             if abort is not None:
                 raise abort
             for peer, theirs in self._signatures.get((key.comm_id, key.seq), {}).items():
                 if theirs != sig:
                     raise SignatureMismatch(peer, theirs, sig)
-        if (src, key.space) in self._flooded:
+        flood = (src, key.comm_id, key.step)
+        if key.space == 1 and flood in self._flooded:
             raise CommError(f"rank {src} sent more than a well-behaved rank can "
-                            f"({self._flooded[(src, key.space)]}); its data was refused")
+                            f"({self._flooded[flood]}); its data was refused")
         item = self._messages.pop((src, *key), None)
         if item is None:
             return None
         if key.space == 1 and self.window is not None:
-            self._p2p_pending[src] -= memoryview(item[1]).nbytes
+            self._p2p_pending[(src, key.comm_id, key.step)] -= memoryview(item[1]).nbytes
         if item[0] != sig:
             raise SignatureMismatch(src, item[0], sig)
         return item[1]
@@ -161,6 +170,8 @@ class Mailbox:
             self._failed_upto[comm_id] = max(seq, self._failed_upto.get(comm_id, -1))
         self._signatures.pop((comm_id, seq), None)
         self._aborts.pop((comm_id, seq), None)
+        if self._too_early:
+            self._too_early = {k: v for k, v in self._too_early.items() if k[0] != comm_id or k[1] > seq}
         stale = [i for i in self._messages if i[1] == comm_id and i[2] == 0 and i[3] <= seq]
         for ident in stale:
             del self._messages[ident]

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 MAX_HELLO_BYTES = 64 * 1024
 NONCE_BYTES = 16
 MAX_CHALLENGES = 4096    # outstanding challenges rank 0 remembers (oldest forgotten first)
+RESEND_S = 2.0           # a rank without a challenge says HELLO again after this
 HANDSHAKE_MS = 10_000    # a peer connection must prove the secret within this
 MAX_IPC_PATH = 107       # sun_path of a Unix socket address, less its terminating NUL
 
@@ -90,7 +91,7 @@ def bind_pull(context, master_addr, max_message_bytes, guard, need_tcp):
         tcp = f"tcp://{ip}:{pull.bind_to_random_port(f'tcp://{ip}')}"
     directory = rundir.path()
     rundir.remove_stale(directory)
-    path = os.path.join(directory, f"{os.getpid()}-{secrets.token_hex(4)}.sock")
+    path = os.path.join(directory, f"{rundir.owner()}-{secrets.token_hex(4)}.sock")
     if len(path.encode()) > MAX_IPC_PATH:
         pull.close(0)
         raise CommError(f"the ipc socket path {path} is longer than {MAX_IPC_PATH} bytes; set "
@@ -182,7 +183,9 @@ class _Server:
             self.router.close()
 
     def _challenge(self, ident, client_nonce):
-        server_nonce = secrets.token_bytes(NONCE_BYTES)
+        known = self.challenges.get(ident)
+        # a repeated HELLO gets the same challenge: the rank answers whichever reaches it first
+        server_nonce = known[1] if known and known[0] == client_nonce else secrets.token_bytes(NONCE_BYTES)
         self.challenges[ident] = (client_nonce, server_nonce)
         while len(self.challenges) > MAX_CHALLENGES:  # a flood of HELLOs cannot grow memory
             self.challenges.popitem(last=False)
@@ -221,7 +224,8 @@ class _Server:
         elif hello.get("settings") != self.settings:
             mismatch = (f"rank {r} has settings {hello.get('settings')}, rank 0 has {self.settings} "
                         f"(every rank needs the same RINGCOMM_SEGMENT_BYTES, RINGCOMM_SHM, "
-                        f"RINGCOMM_SHM_SLOTS and RINGCOMM_TRANSPORT: the segment size default "
+                        f"RINGCOMM_SHM_SLOTS, RINGCOMM_TRANSPORT and RINGCOMM_P2P_WINDOW_BYTES: the "
+                        f"segment size default "
                         f"follows the last ones)")
         if mismatch:  # a rank of this job, configured differently: the job cannot run
             for other, other_nonces in [*self.joined.values(), (ident, nonces)]:
@@ -242,17 +246,21 @@ def _join(context, rank, world_size, master_addr, master_port, entry, settings, 
     client_nonce = secrets.token_bytes(NONCE_BYTES)
     server_nonce = None
 
-    def receive():
+    def receive(again=None):
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not dealer.poll(int(remaining * 1000)):
+            if remaining <= 0:
                 raise CommTimeout(f"rank {rank}: no answer from the rendezvous at {address} "
                                   f"(rank 0) within the timeout")
-            yield dealer.recv_multipart()
+            if dealer.poll(int(min(remaining, RESEND_S if again else remaining) * 1000)):
+                yield dealer.recv_multipart()
+            elif again:  # a flood of strangers' HELLOs may have pushed ours out
+                again()
     try:
         dealer.connect(address)
-        dealer.send_multipart([b"HELLO", client_nonce])
-        for parts in receive():
+        hello = lambda: dealer.send_multipart([b"HELLO", client_nonce])  # noqa: E731
+        hello()
+        for parts in receive(again=hello):
             if len(parts) == 4 and parts[0] == b"CHALLENGE" and \
                     _verified(secret, parts[3], b"challenge", client_nonce, parts[1], parts[2]):
                 server_nonce = parts[1]

@@ -9,7 +9,9 @@ before a single frame of it reaches the rank.
   ``nonce:HMAC-SHA256(secret, "ringcomm-peer|id|r|nonce")`` with a fresh random nonce. The
   receiving rank checks the HMAC against its own ``id`` and refuses a nonce it has already
   accepted, so a sniffed handshake replayed later, or sent to another socket, is refused,
-  and the secret itself never crosses the wire. Traffic is not encrypted.
+  and the secret itself never crosses the wire. Traffic is not encrypted. For the same
+  reason a connection is made once: sockets do not reconnect, and a dropped connection is a
+  lost peer (:class:`~ringcomm.errors.PeerLost`), as in NCCL.
 - ``encrypt=True`` (``RINGCOMM_ENCRYPT=1``): **CURVE**. Every rank derives the same
   Curve25519 key pair from the secret; a peer must complete the CURVE handshake with that
   key (which proves it knows the secret) and all traffic is encrypted. Costs CPU per byte:
@@ -57,13 +59,18 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
 
     def _authenticate_plain(self, domain, username, password):
         try:
-            rank = int(username)
-            nonce, proof = password.split(":")
-        except ValueError:
+            return self._check_proof(username, password)
+        except Exception:  # noqa: BLE001 - a stranger's bytes must never end this thread
+            log.warning("refused a connection with malformed credentials")
             return False, b"malformed credentials"
-        if not 0 <= rank < self._world_size or len(nonce) != 32:
+
+    def _check_proof(self, username, password):
+        rank = int(username)
+        nonce, proof = password.split(":")
+        if not 0 <= rank < self._world_size or len(nonce) != 32 or not (nonce + proof).isascii():
             return False, b"malformed credentials"
-        if not hmac.compare_digest(proof, peer_proof(self._secret, self._socket_id, rank, nonce)):
+        expected = peer_proof(self._secret, self._socket_id, rank, nonce)
+        if not hmac.compare_digest(proof.encode(), expected.encode()):
             log.warning("refused a connection that does not prove the job secret")
             return False, b"bad proof"
         with self._lock:

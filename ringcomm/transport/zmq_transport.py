@@ -103,6 +103,9 @@ class ZmqTransport(Transport):
             sock = context.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
+            # one connection per peer, never remade: a reconnect would replay the one-time
+            # proof (refused by design), and a dropped connection means a lost peer
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)
             if guard is not None:
                 guard.client(sock, rank, socket_ids[peer])
             monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
@@ -275,6 +278,9 @@ class ZmqTransport(Transport):
         elif event in _HANDSHAKE_FAILED:
             self._refused[peer] = event
 
+    def _closed_by(self, peer):
+        return peer in self._said_bye
+
     def _check_peers(self, what, src=None):
         if src in self._said_bye:
             raise PeerLost(f"{what}: rank {src} closed its communicator before sending what "
@@ -288,7 +294,8 @@ class ZmqTransport(Transport):
         if overdue:
             peer = overdue[0]
             raise PeerLost(f"{what}: rank {self.rank} lost rank {peer} (its connection dropped "
-                           f"without a goodbye: the process died or was killed)", rank=peer)
+                           f"without a goodbye: the process died or was killed, or the network "
+                           f"failed)", rank=peer)
 
     # -- closing ---------------------------------------------------------------------------
     def close(self):

@@ -95,3 +95,27 @@ EXCHANGE = textwrap.dedent("""
 def test_sends_larger_than_the_window_both_ways_do_not_deadlock():
     for code, out, err in spawn_job(EXCHANGE, 2, env={"RINGCOMM_P2P_WINDOW_BYTES": str(WINDOW)}, timeout=60):
         assert code == 0 and "ok True" in out, err
+
+
+OUT_OF_ORDER = textwrap.dedent("""
+    import numpy as np, ringcomm
+    comm = ringcomm.init(timeout=20)
+    big = 6 << 18                                           # 6 MiB a message, window 8 MiB
+    if comm.rank == 0:
+        works = [comm.send(np.full(big, float(tag), np.float32), dst=1, tag=tag, async_op=True)
+                 for tag in (1, 2)]
+        for work in works:
+            work.wait()
+        print("sent")
+    else:
+        x = np.empty(big, np.float32)
+        for tag in (2, 1):                                  # the other order
+            comm.recv(x, src=0, tag=tag)
+            assert np.all(x == tag)
+        print("received")
+""")
+
+
+def test_receiving_tags_in_another_order_than_sent_does_not_deadlock():
+    results = spawn_job(OUT_OF_ORDER, 2, env={"RINGCOMM_P2P_WINDOW_BYTES": str(WINDOW)}, timeout=60)
+    assert "sent" in results[0][1] and "received" in results[1][1], results

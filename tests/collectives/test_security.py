@@ -81,6 +81,22 @@ def test_stranger_cannot_reach_a_rank(pools, tcp_pool, kind, credentials):
     assert after == before, "a frame from a stranger reached the rank"
 
 
+def test_a_proof_for_another_socket_or_malformed_credentials_reach_nothing(pools):
+    """A valid proof made for rank 1's socket is refused at rank 0's; garbage credentials
+    (non-ASCII, missing parts) are refused and do not stop the rank from accepting later
+    connections."""
+    pool = pools(2)
+    (local0, before), (local1, _) = pool.run(endpoints)
+    for shown in [proof(local1["id"], nonce=os.urandom(16).hex()), ("1", "a" * 32 + ":\u00e9\u00e9"),
+                  ("x", "y"), ("1", "no-colon"), ("99", "a" * 32 + ":" + "0" * 64)]:
+        send_all(local0["ipc"], [[b"junk"]], shown, wait=0.2)
+    (_, after), _ = pool.run(rejected_after_sum)
+    assert after == before
+    send_all(local0["ipc"], [[b"junk"]], proof(local0["id"], nonce=os.urandom(16).hex()))
+    (ok0, last), (ok1, _) = pool.run(rejected_after_sum)
+    assert ok0 and ok1 and last == before + 1  # the handshake checker still works
+
+
 def test_a_replayed_connection_proof_is_refused(pools):
     """A proof is accepted once: whoever replays a recorded handshake reaches nothing."""
     pool = pools(2)
@@ -247,11 +263,14 @@ def test_ipc_sockets_live_in_a_private_directory(pools):
     assert stat.S_ISDIR(info.st_mode) and info.st_mode & 0o777 == 0o700 and info.st_uid == os.getuid()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    stale = os.path.join(directory, f"{dead}-deadbeef.sock")
+    stale = os.path.join(directory, f"{rundir.owner(int(dead))}-deadbeef.sock")
+    foreign = os.path.join(directory, f"1.{dead}-deadbeef.sock")  # another pid namespace
     open(stale, "w").close()
+    open(foreign, "w").close()
     for code, out, err in spawn_job(JOIN, 2, timeout=40):
         assert code == 0, err
-    assert not os.path.exists(stale)
+    assert not os.path.exists(stale) and os.path.exists(foreign)
+    os.unlink(foreign)
 
 
 def test_a_private_directory_others_can_open_is_refused(tmp_path, monkeypatch):
@@ -366,7 +385,8 @@ def test_ranks_of_different_launchers_need_a_secret():
     script = JOIN.replace("ringcomm.init()", "ringcomm.init(timeout=3)")
     rank0 = start_rank(0, 2, port, script, RINGCOMM_SECRET="")
     env = dict(os.environ, **job_env(1, 2, port, {"RINGCOMM_SECRET": ""}))
-    rank1 = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "$0"', script], env=env,
+    via = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[1]]))"
+    rank1 = subprocess.Popen([sys.executable, "-c", via, script], env=env,  # another parent
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = finish([rank0, rank1])
     assert all(code != 0 for code, _, _ in results)

@@ -367,12 +367,17 @@ def test_transport_poll_never_waits():
 
 def test_collective_data_too_far_ahead_is_refused_and_named():
     box = Mailbox(max_lead=2)
-    put(box, data(1, Key(0, 0, 1, 0, 0), b"ok"))      # one ahead of the running #0: fine
-    put(box, data(1, Key(0, 0, 3, 0, 0), b"no"))      # #3 while nothing retired: impossible
+    put(box, data(1, Key(0, 0, 0, 0, 0), b"ok"))      # the collective running here
+    put(box, data(1, Key(0, 0, 1, 0, 0), b"ok"))      # one ahead of the running #0: the limit
+    put(box, data(1, Key(0, 0, 2, 0, 0), b"no"))      # #2 while nothing retired: refused
     assert box.dropped == 1
-    with pytest.raises(CommError, match="rank 1 sent more than a well-behaved rank can"):
-        box.take(1, Key(0, 0, 1, 0, 0), SIG_A)
-    assert box.take(2, Key(0, 1, 0, 0, 0), SIG_A) is None  # its point-to-point data is apart
+    assert box.take(1, Key(0, 0, 0, 0, 0), SIG_A) == b"ok"  # the peer is not cut off
+    with pytest.raises(CommError, match="rank 1 sent data for this collective while"):
+        box.take(1, Key(0, 0, 2, 0, 0), SIG_A)
+    box.retire(0, 2, failed=True)                     # that collective alone failed
+    put(box, data(1, Key(0, 0, 3, 0, 0), b"ok"))
+    put(box, data(1, Key(0, 0, 4, 0, 0), b"ok"))      # retired #2: #4 is one ahead of #3
+    assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"ok"
 
 
 def test_point_to_point_past_the_window_is_refused():
@@ -380,7 +385,9 @@ def test_point_to_point_past_the_window_is_refused():
     put(box, data(1, Key(0, 1, 0, 0, 0), b"12345"))
     put(box, data(1, Key(0, 1, 1, 0, 0), b"678"))     # 8 bytes: still inside
     assert box.take(1, Key(0, 1, 0, 0, 0), SIG_A) == b"12345"
+    put(box, data(1, Key(0, 1, 0, 7, 0), b"abcdefgh"))  # another tag has its own window
     put(box, data(1, Key(0, 1, 2, 0, 0), b"abcdef"))  # 3 + 6 > 8: refused
     assert box.dropped == 1
     with pytest.raises(CommError, match="flow-control window"):
         box.take(1, Key(0, 1, 1, 0, 0), SIG_A)
+    assert box.take(1, Key(0, 1, 0, 7, 0), SIG_A) == b"abcdefgh"

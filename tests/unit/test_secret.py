@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from ringcomm import env, secret
+from ringcomm import env, rundir, secret
 from ringcomm.errors import CommTimeout
 
 
@@ -67,7 +67,7 @@ def test_ranks_of_one_host_agree_through_a_private_file():
 def test_a_file_left_by_a_dead_rank_is_not_trusted():
     value, path = secret.resolve(job(), {})
     with open(path, "w") as f:
-        f.write(f"{2 ** 22 + 12345} {'f' * 32}\n")  # no such process
+        f.write(f"{rundir.owner(2 ** 22 + 12345)} {'f' * 32}\n")  # no such process
     with pytest.raises(CommTimeout, match="RINGCOMM_SECRET"):
         secret.resolve(job(rank=1, local_rank=1), {})
     os.unlink(path)
@@ -77,4 +77,12 @@ def test_another_launch_on_the_same_port_does_not_share_it():
     value, path = secret.resolve(job(), {})
     with pytest.raises(CommTimeout):
         secret.resolve(job(rank=1, local_rank=1), {"TORCHELASTIC_RESTART_COUNT": "1"})
+    os.unlink(path)
+
+
+def test_a_file_from_another_pid_namespace_is_trusted_not_judged():
+    value, path = secret.resolve(job(), {})
+    with open(path, "w") as f:
+        f.write(f"1.{2 ** 22 + 12345} {'e' * 32}\n")  # pid namespace 1: not this one
+    assert secret.resolve(job(rank=1, local_rank=1), {}) == ("e" * 32, "")
     os.unlink(path)
