@@ -20,7 +20,7 @@ Options (dash and underscore spellings are both accepted):
   --max-restarts K      on a failure stop all workers and start them all again,
                         at most K times (single node only), default 0
   --timeout SECONDS     collective deadline, exported as RINGCOMM_TIMEOUT
-  --device KIND         auto | cpu | gpu | emulated, exported as RINGCOMM_DEVICE
+  --device KIND         auto | cpu | gpu, exported as RINGCOMM_DEVICE
   --no-prefix           let workers write straight to the launcher's terminal
 
 Environment of each worker (on top of the launcher's own):

@@ -108,7 +108,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
         add("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
             default=0, help="restart the whole group up to K times"),
         add("--timeout", type=float, help="collective deadline (RINGCOMM_TIMEOUT)"),
-        add("--device", choices=("auto", "cpu", "gpu", "emulated"),
+        add("--device", choices=("auto", "cpu", "gpu"),
             help="each worker's device: GPU LOCAL_RANK %% count (RINGCOMM_DEVICE)"),
     ]
     add("--no-prefix", "--no_prefix", dest="prefix", action="store_false",

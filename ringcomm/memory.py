@@ -49,7 +49,7 @@ def device_total(categories):
     return sum(v for c, v in categories.items() if c != "optimizer_host")
 
 
-def _pinned_zeros(cupy, shape, dtype):
+def _pinned_zeros(shape, dtype):
     """A zeroed numpy array in page-locked host memory (for offloaded optimizer state)."""
     import cupyx
     return cupyx.zeros_pinned(shape, dtype)
@@ -78,7 +78,7 @@ class MemoryRegistry:
         if name in self._live:
             raise ValueError(f"buffer {name!r} is already allocated")
         if xp is None and category == "optimizer_host" and self.xp is not np:
-            array = _pinned_zeros(self.xp, shape, dtype)  # host memory the GPU copies fast
+            array = _pinned_zeros(shape, dtype)  # host memory the GPU copies fast
         else:
             array = (xp or self.xp).zeros(shape, dtype)
         self._live[name] = (category, array.nbytes)
@@ -90,9 +90,6 @@ class MemoryRegistry:
     def free(self, name):
         category, nbytes = self._live.pop(name)
         self._current[category] -= nbytes
-
-    def is_live(self, name):
-        return name in self._live
 
     def current(self):
         return {c: self._current[c] for c in CATEGORIES}

@@ -32,6 +32,9 @@ _UFUNC = {
 }
 
 
+UFUNCS = {op.value: ufunc for op, ufunc in _UFUNC.items()}  # by name: numpy references
+
+
 def parse_op(op, dtype):
     """Return the :class:`ReduceOp` for ``op`` (a name or member), checked against ``dtype``.
 

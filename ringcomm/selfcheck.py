@@ -38,13 +38,13 @@ import zlib
 import numpy as np
 
 import ringcomm
+from ringcomm.ops import UFUNCS
 from ringcomm.units import human, parse_size
 
 SEED = 20240521
 OPS = ("sum", "avg", "max", "min", "prod")
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.float16))
 KINDS = ("sum", "extreme", "prod")  # input value ranges, chosen by op
-UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 BYTES_ACCOUNTING_SIZE = 1 << 20
 MAX_PRINTED_FAILURES = 20
 DEFAULT_TIMEOUT = 60.0  # seconds per collective, unless RINGCOMM_TIMEOUT (launch --timeout) says

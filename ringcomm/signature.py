@@ -13,7 +13,7 @@ import struct
 import numpy as np
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
-               "barrier", "send", "new_group")
+               "barrier", "send")
 ALGORITHMS = ("none", "ring", "ps", "rd", "dissemination")
 OPS = ("none", "sum", "avg", "max", "min", "prod")
 DTYPES = tuple(np.dtype(d) for d in (

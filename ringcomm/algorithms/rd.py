@@ -19,11 +19,6 @@ from .chunks import segments
 _EMPTY = np.empty(0, np.uint8)
 
 
-def is_applicable(n):
-    """Recursive doubling works for any group size (see :func:`all_reduce`)."""
-    return n >= 1
-
-
 def _exchange(link, peer, rnd, x, segs, op):
     snapshot = x.copy()  # x changes below while ZeroMQ may still be reading the send
     for j, sl in enumerate(segs):

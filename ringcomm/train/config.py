@@ -15,8 +15,9 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field, fields
 
+from ..memory import STRATEGIES
+
 MODELS = ("mlp", "gpt")
-STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "zero3")
 # the GPT's own defaults, where the command line leaves these flags out
 GPT_DEFAULTS = dict(steps=300, batch_size=64, lr=3e-3)
 MAIN_JOB = dict(strategy="zero2", precision="fp16", steps=1000, batch_size=512, layers="64,512,512,512,10",
@@ -64,7 +65,7 @@ class TrainConfig:
     schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
     recompute: bool = _opt(False, "keep only each layer's input; recompute the rest in backward")
     device: str = _opt(None, "each worker's device (default: RINGCOMM_DEVICE, else auto)",
-                       choices=("auto", "cpu", "gpu", "emulated"))
+                       choices=("auto", "cpu", "gpu"))
     # -- outputs --------------------------------------------------------------------------------
     log_every: int = _opt(0, "progress every N steps (default: about 10 lines)")
     trace: str = _opt(None, "write a Chrome trace per rank into DIR", metavar="DIR")

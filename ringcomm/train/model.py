@@ -38,10 +38,6 @@ def init_params(layers, seed):
     return params
 
 
-def num_layers(layers):
-    return len(layers) - 1
-
-
 def linear_forward(h, W, b, relu):
     """``act(h @ W + b)`` in float32 arithmetic, stored in ``W``'s dtype."""
     out = h.astype(np.float32, copy=False) @ W.astype(np.float32, copy=False)

@@ -52,10 +52,6 @@ class TPLayer:
         return self.kind != "row" or self.t == 0
 
     @property
-    def input_split(self):
-        return self.kind == "row"
-
-    @property
     def output_split(self):
         return self.kind == "column" and not self.last
 

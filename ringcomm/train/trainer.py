@@ -8,7 +8,6 @@ checkpoints (:mod:`ringcomm.checkpoint`) and the report (:mod:`.report`).
 >>> document, strategy = train(comm, TrainConfig(model="gpt", cp=2, tp=2, steps=10))
 """
 import os
-import signal
 import statistics
 import time
 
@@ -27,20 +26,6 @@ from .step import StepRunner
 from .strategy import ParameterServer, Replicated, Single
 from .trace import Tracer
 from .zero import Zero
-
-# Test hook (fault injection), inert unless the environment variable is set: in the first
-# attempt of a launcher job (TORCHELASTIC_RESTART_COUNT == "0"), rank 1 SIGKILLs itself right
-# after step k, so that tests can check --max-restarts + --resume end where an uninterrupted
-# run ends.
-TEST_KILL_AT_STEP_ENV = "RINGCOMM_TEST_KILL_AT_STEP"
-
-
-def _test_kill_at_step(rank):
-    if rank != 1 or os.environ.get("TORCHELASTIC_RESTART_COUNT") != "0":
-        return None
-    value = os.environ.get(TEST_KILL_AT_STEP_ENV)
-    return int(value) if value else None
-
 
 def make_strategy(cfg, group, meta, side, stage, params, registry, tracer, counted=None):
     specs = [(s.name, s.local_shape) for s in stage.local_specs()]
@@ -207,7 +192,6 @@ def train(comm, cfg, out=print):
     times, idle = [], []
     every = cfg.log_every or max(1, cfg.steps // 10)
     save_every = cfg.checkpoint_every if cfg.checkpoint_dir else 0
-    kill_at = _test_kill_at_step(job.rank)
     start = time.perf_counter()
     for step in range(first, cfg.steps):
         x, y = job.batch(step)
@@ -224,8 +208,6 @@ def train(comm, cfg, out=print):
             path = checkpoint.save(job.meta, strategy, cfg, step + 1, losses, cfg.checkpoint_dir)
             if job.rank == 0 and step + 1 == cfg.steps:
                 out(f"checkpoint {path}")
-        if step + 1 == kill_at:  # test hook, see _test_kill_at_step
-            os.kill(os.getpid(), signal.SIGKILL)
     params = job.full_params()
     quality = evaluate(job, params)
     step_time = statistics.median(times) if times else 0.0

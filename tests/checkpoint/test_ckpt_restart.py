@@ -1,8 +1,9 @@
 """``python -m ringcomm.launch --max-restarts``: a worker SIGKILLed mid-training (the
-``RINGCOMM_TEST_KILL_AT_STEP`` test hook, first attempt only) brings the job down, the
+``kill_at_step.py`` wrapper, first attempt only) brings the job down, the
 launcher restarts it, ``--resume`` picks up the last checkpoint and the job ends with the
 parameters of an uninterrupted run."""
 import json
+import os
 import subprocess
 import sys
 
@@ -21,9 +22,9 @@ def test_killed_worker_restarts_and_resumes(pools, tmp_path):
             "--batch-size", BASE["batch_size"], "--samples", BASE["samples"], "--steps", BASE["steps"],
             "--lr", BASE["lr"], "--seed", BASE["seed"], "--bucket-mb", BASE["bucket_mb"],
             "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--resume", "--metrics-json", metrics]
-    env = subprocess_env(RINGCOMM_TEST_KILL_AT_STEP="5", RINGCOMM_TIMEOUT="20")
+    env = subprocess_env(KILL_AT_STEP="5", RINGCOMM_TIMEOUT="20")
     proc = subprocess.run([sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--max-restarts", "2",
-                           "-m", "ringcomm.train", *map(str, args)],
+                           os.path.join(os.path.dirname(__file__), "kill_at_step.py"), *map(str, args)],
                           env=env, capture_output=True, text=True, timeout=90)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
