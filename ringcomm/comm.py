@@ -20,7 +20,6 @@ both sides and tells every other rank, which raise it too.
 >>> x = np.full(3, comm.rank + 1.0)
 >>> comm.all_reduce(x)            # rank 0 and rank 1 of 2: x == [3., 3., 3.]
 """
-import time
 import zlib
 from collections import defaultdict
 
@@ -30,8 +29,9 @@ from . import p2p, signature
 from .algorithms import ps, rd, ring
 from .algorithms.choice import (  # noqa: F401 - part of this module's interface
     LOCAL_ALL_REDUCE_RD_BYTES, SMALL_MESSAGE_BYTES, all_reduce_bytes, auto_algorithm)
-from .errors import CollectiveMismatch, CommError, SignatureMismatch
-from .link import HOST, Link, Stats
+from .errors import CollectiveMismatch, CommError
+from .collective import Call
+from .link import HOST, Stats
 from .ops import parse_op
 from .threads import ThreadGuard
 
@@ -204,7 +204,7 @@ class Communicator:
         Returns ``x``."""
         flat = self._check_array(x, "x")
         self._check_peer(src, "src", tag)
-        return self._submit("send", lambda link: p2p.recv(link, flat, src, tag, x, self._mismatch),
+        return self._submit("send", lambda link: p2p.recv(link, flat, src, tag, x),
                             x.dtype, x.size, None, None, 0, async_op, x, p2p=("from", src, tag), staged=x)
 
     # -- groups, statistics, closing -------------------------------------------------------
@@ -363,54 +363,8 @@ class Communicator:
                 self._p2p_seq[p2p] += 1
                 what = f"{'send to' if p2p[0] == 'to' else 'recv from'} rank {p2p[1]} (tag {p2p[2]}, #{seq}) on {self.name}"
 
-            def run(transport):
-                link = Link(transport, self.ranks, self.rank, self.comm_id, space, seq, sig, dtype,
-                            self.segment_bytes, time.monotonic() + self.timeout, what, self._stats,
-                            device)
-                failed = True
-                try:
-                    transport.pump(0)  # news first: goodbyes, aborts, lost peers
-                    if space == 0:  # an earlier collective may have failed elsewhere
-                        transport.mailbox.raise_poison(self.comm_id)
-                    device.activate()
-                    deferred = body(link)
-                    if deferred is not None:
-                        # a receive, or a send waiting for flow-control credit: it completes
-                        # itself, and a waiting send copies what it sends (nothing to flush)
-                        return deferred
-                    transport.flush(link.deadline, what)
-                    if space == 0:  # another rank may have aborted a collective we only sent in
-                        transport.pump(0)
-                        transport.mailbox.raise_abort(self.comm_id, seq)
-                    failed = False
-                except SignatureMismatch as exc:
-                    error = self._mismatch(what, exc)
-                    self._abort(transport, space, seq, error)
-                    raise error from None
-                except Exception as exc:
-                    if not getattr(exc, "remote", False):
-                        self._abort(transport, space, seq, exc)
-                    raise
-                finally:
-                    if space == 0:
-                        transport.retire(self.comm_id, seq, failed)
-                self._stats.collectives += 1
-                return result
-
-            work = engine.submit(run, what, inline=not async_op)
+            call = Call(self, body, space, seq, sig, dtype, what, device, result)
+            work = engine.submit(call.run, what, inline=not async_op)
         if work.inline:  # outside engine.lock: other threads may queue behind it meanwhile
             engine.run_inline(work)
         return work
-
-    def _mismatch(self, what, exc):
-        return CollectiveMismatch(
-            f"{what}: rank {self.ranks[self.rank]} called {signature.describe(exc.ours)} "
-            f"but rank {exc.src} called {signature.describe(exc.theirs)}")
-
-    def _abort(self, transport, space, seq, exc):
-        if space != 0:
-            return
-        try:
-            transport.abort(self.ranks, self.comm_id, seq, exc)
-        except Exception:  # noqa: BLE001 - the original error is what matters
-            pass

@@ -35,7 +35,7 @@ AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches 
 
 
 class Link:
-    def __init__(self, transport, ranks, rank, comm_id, space, seq, sig, dtype,
+    def __init__(self, transport, *, ranks, rank, comm_id, space, seq, sig, dtype,
                  segment_bytes, deadline, what, stats, device=HOST):
         self.transport = transport
         self.ranks = ranks          # group rank -> global rank

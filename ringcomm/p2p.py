@@ -18,6 +18,7 @@ costs its senders a bounded amount of memory, and a flooding peer costs it none.
 >>> comm.recv(y, src=0, tag=7)        # rank 1: y == x
 """
 from .algorithms.chunks import segments
+from .collective import describe_mismatch
 from .engine import Deferred
 from .errors import SignatureMismatch
 
@@ -47,7 +48,7 @@ def send(link, flat, dst, tag):
     return None if fits and progress() else Deferred(progress)
 
 
-def recv(link, flat, src, tag, result, mismatch):
+def recv(link, flat, src, tag, result):
     """The body of a receive: completes as the segments arrive (a :class:`Deferred`)."""
     todo = list(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
 
@@ -66,5 +67,5 @@ def recv(link, flat, src, tag, result, mismatch):
         try:
             return progress()
         except SignatureMismatch as exc:  # the communicator describes both sides in words
-            raise mismatch(link.what, exc) from None
+            raise describe_mismatch(link.what, link.ranks[link.rank], exc) from None
     return Deferred(described, result)

@@ -1,0 +1,89 @@
+"""One call's life on the communication thread, from first message to retirement.
+
+A communicator turns each call into a :class:`Call` (its identity: communicator, space,
+sequence number, signature) and hands :meth:`Call.run` to the engine. ``run`` is where the
+policy of a collective lives, once for every verb:
+
+1. let arrived news in (goodbyes, aborts, lost peers) and raise the error an earlier
+   collective left on this communicator (it failed on another rank after this one finished);
+2. run the algorithm's body over a :class:`~ringcomm.link.Link`; a body that must wait for
+   messages without holding the thread (a receive, a send waiting for credit) returns a
+   :class:`~ringcomm.engine.Deferred` that completes itself;
+3. wait until every byte sent may be reused (:meth:`flush`), then look once more for an
+   abort of this collective sent by a rank that failed it;
+4. on failure, tell every other rank why (an ABORT), describing a signature mismatch in
+   words; in every case retire the sequence number so late messages for it are dropped.
+
+Point-to-point calls (space 1) skip what only collectives need (poison, aborts, retirement):
+they are numbered per peer and tag, not in the communicator's collective order.
+"""
+import time
+from dataclasses import dataclass
+
+from . import signature
+from .errors import CollectiveMismatch, SignatureMismatch
+from .link import Link
+
+
+def describe_mismatch(what, me, exc):
+    """The :class:`CollectiveMismatch` for a :class:`SignatureMismatch` seen by global rank
+    ``me``: both sides in words."""
+    return CollectiveMismatch(f"{what}: rank {me} called {signature.describe(exc.ours)} "
+                              f"but rank {exc.src} called {signature.describe(exc.theirs)}")
+
+
+@dataclass
+class Call:
+    """One collective or point-to-point call of a communicator (``comm``)."""
+
+    comm: object      # the Communicator: ranks, rank, comm_id, timeout, segment size, stats
+    body: object      # body(link) -> None, or a Deferred that completes the call
+    space: int        # 0 = collective, 1 = point-to-point
+    seq: int
+    sig: bytes
+    dtype: object
+    what: str         # names the call in every error: "all_reduce #7 on world"
+    device: object    # stages device arrays, or the host device
+    result: object    # what the caller gets back
+
+    def run(self, transport):
+        comm, space, seq = self.comm, self.space, self.seq
+        link = Link(transport, ranks=comm.ranks, rank=comm.rank, comm_id=comm.comm_id, space=space,
+                    seq=seq, sig=self.sig, dtype=self.dtype, segment_bytes=comm.segment_bytes,
+                    deadline=time.monotonic() + comm.timeout, what=self.what, stats=comm._stats,
+                    device=self.device)
+        failed = True
+        try:
+            transport.pump(0)
+            if space == 0:
+                transport.mailbox.raise_poison(comm.comm_id)
+            self.device.activate()
+            deferred = self.body(link)
+            if deferred is not None:  # a deferred send copies what it sends: nothing to flush
+                return deferred
+            transport.flush(link.deadline, self.what)
+            if space == 0:  # another rank may have aborted a collective this one only sent in
+                transport.pump(0)
+                transport.mailbox.raise_abort(comm.comm_id, seq)
+            failed = False
+        except SignatureMismatch as exc:
+            error = describe_mismatch(self.what, comm.ranks[comm.rank], exc)
+            self._abort(transport, error)
+            raise error from None
+        except Exception as exc:
+            if not getattr(exc, "remote", False):
+                self._abort(transport, exc)
+            raise
+        finally:
+            if space == 0:
+                transport.retire(comm.comm_id, seq, failed)
+        comm._stats.collectives += 1
+        return self.result
+
+    def _abort(self, transport, exc):
+        if self.space != 0:
+            return
+        try:
+            transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)
+        except Exception:  # noqa: BLE001 - the original error is what matters
+            pass
