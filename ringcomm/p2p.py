@@ -8,9 +8,9 @@ Flow control: a rank keeps at most ``window`` bytes (``RINGCOMM_P2P_WINDOW_BYTES
 64 MiB, the same on every rank) of point-to-point data in flight to each peer on each tag,
 counted from sending a segment until the receiver's ``recv`` takes it (the receiver then
 sends a CREDIT naming the bytes); so receiving tags in another order than they were sent
-never deadlocks. A send
-that would pass the window waits, without holding the communication thread (other work, a
-``recv`` posted after it included, goes on), and times out naming the receiver. The
+never deadlocks. A send that would pass the window waits, without holding the communication
+thread (other work, a ``recv`` posted after it included, goes on), and times out naming the
+receiver. The
 receiver refuses data from a peer that ignores the window, so a busy or stopped receiver
 costs its senders a bounded amount of memory, and a flooding peer costs it none.
 
@@ -22,20 +22,21 @@ from .collective import describe_mismatch
 from .engine import Deferred
 from .errors import SignatureMismatch
 
+
 def send(link, flat, dst, tag):
     """The body of a send: segments go out while the window to ``dst`` allows; the rest as
     credits come back (a :class:`Deferred`)."""
     transport, peer = link.transport, link.ranks[dst]
-    lane = (peer, link.comm_id, tag)
+    flow = (peer, link.comm_id, tag)
     todo = list(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
     # a send that must wait for credit outlives the call: its segments are copied (a zero-copy
     # send would need the caller's array until the network took it)
-    fits = transport.window_left(lane) >= flat.nbytes
+    fits = transport.window_left(flow) >= flat.nbytes
 
     def progress():
         while todo:
             j, sl = todo[0]
-            if not transport.window_open(lane, (sl.stop - sl.start) * flat.itemsize):
+            if not transport.window_open(flow, (sl.stop - sl.start) * flat.itemsize):
                 transport.check(peer, link.deadline, f"{link.what}: rank {peer} has not received "
                                 f"what this rank sent before on tag {tag} (flow-control window "
                                 f"of {transport.window} bytes full)")

@@ -72,14 +72,19 @@ def alive(pid):
     return True
 
 
-def remove_stale(directory):
-    """Remove files that processes which no longer exist left in ``directory``."""
+def remove_where(directory, doomed):
+    """Remove every file of ``directory`` whose name ``doomed(name)`` condemns."""
     for name in os.listdir(directory):
-        if owner_gone(name.split("-", 1)[0]):
+        if doomed(name):
             try:
                 os.unlink(os.path.join(directory, name))
             except OSError:
                 pass
+
+
+def remove_stale(directory):
+    """Remove files that processes which no longer exist left in ``directory``."""
+    remove_where(directory, lambda name: owner_gone(name.split("-", 1)[0]))
 
 
 def remove_owned_by(pids):
@@ -89,9 +94,4 @@ def remove_owned_by(pids):
     except CommError:
         return
     prefixes = tuple(f"{owner(pid)}-" for pid in pids)
-    for name in os.listdir(directory):
-        if name.startswith(prefixes):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+    remove_where(directory, lambda name: name.startswith(prefixes))

@@ -115,10 +115,10 @@ def _agree_on_this_host(info, environ):
     directory = rundir.path()
     path = os.path.join(directory, f"secret-{_launch_key(info, environ)}")
     if info.local_rank == 0:
-        for name in os.listdir(directory):  # left by local ranks 0 killed before everyone joined
+        def stale(name):  # left by a local rank 0 killed before everyone joined
             found = _read(os.path.join(directory, name)) if name.startswith("secret-") else None
-            if found and rundir.owner_gone(found[0]):
-                os.unlink(os.path.join(directory, name))
+            return bool(found) and rundir.owner_gone(found[0])
+        rundir.remove_where(directory, stale)
         value = secrets.token_hex(16)
         temporary = os.path.join(directory, f"{rundir.owner()}-secret.tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -84,8 +84,8 @@ class Transport(ABC):
                 pass
             return True
         if header.kind == Kind.CREDIT:
-            lane = (header.src, header.key.comm_id, header.key.step)
-            self._unacked[lane] = max(0, self._unacked[lane] - CREDIT.unpack(header.sig)[0])
+            flow = (header.src, header.key.comm_id, header.key.step)
+            self._unacked[flow] = max(0, self._unacked[flow] - CREDIT.unpack(header.sig)[0])
             return True
         if header.kind == Kind.PONG:
             if self._probing == (header.key.comm_id, header.key.seq):
@@ -126,14 +126,14 @@ class Transport(ABC):
         return self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload, copy)
 
     # -- point-to-point flow control (see ringcomm.p2p) -------------------------------------
-    def window_left(self, lane):
-        """Bytes of point-to-point data this rank may still send on ``lane`` (peer,
+    def window_left(self, flow):
+        """Bytes of point-to-point data this rank may still send on ``flow`` (peer,
         communicator id, tag) before the receiver takes any."""
-        return self.window - self._unacked[lane]
+        return self.window - self._unacked[flow]
 
-    def window_open(self, lane, nbytes):
-        """True if ``nbytes`` more may go on ``lane`` now (always when nothing is in flight)."""
-        return self._unacked[lane] == 0 or self._unacked[lane] + nbytes <= self.window
+    def window_open(self, flow, nbytes):
+        """True if ``nbytes`` more may go on ``flow`` now (always when nothing is in flight)."""
+        return self._unacked[flow] == 0 or self._unacked[flow] + nbytes <= self.window
 
     def check(self, peer, deadline, what):
         """Raise if ``peer`` is gone or ``deadline`` passed (for a wait outside :meth:`recv`)."""
@@ -148,12 +148,17 @@ class Transport(ABC):
         """True if ``peer`` said it closed its communicator."""
         return False
 
-    def _credit(self, src, key, nbytes):
-        """Tell ``src`` that this rank took ``nbytes`` of its point-to-point data."""
-        try:
-            self._post(src, frame.pack(Kind.CREDIT, self.rank, key, 0, CREDIT.pack(nbytes)), b"")
-        except CommError:  # the sender is gone: nobody waits for the credit
-            pass
+    def _take(self, src, key, sig):
+        """The mailbox's payload for ``key`` (or ``None``); taking point-to-point data
+        returns its bytes to the sender's window (a CREDIT)."""
+        payload = self.mailbox.take(src, key, sig)
+        if payload is not None and key.space == 1:
+            credit = CREDIT.pack(memoryview(payload).nbytes)
+            try:
+                self._post(src, frame.pack(Kind.CREDIT, self.rank, key, 0, credit), b"")
+            except CommError:  # the sender is gone: nobody waits for the credit
+                pass
+        return payload
 
     def pump(self, timeout):
         """Let arrived messages in (used by the engine while deferred work waits)."""
@@ -161,9 +166,7 @@ class Transport(ABC):
 
     def poll(self, src, key, sig, deadline, what):
         """Like :meth:`recv` but never waits: the payload, or ``None`` if not here yet."""
-        payload = self.mailbox.take(src, key, sig)
-        if payload is not None and key.space == 1:
-            self._credit(src, key, memoryview(payload).nbytes)
+        payload = self._take(src, key, sig)
         if payload is None:
             self._check_peers(what, src)
             if time.monotonic() > deadline:
@@ -174,10 +177,8 @@ class Transport(ABC):
         """The payload of message ``key`` from global rank ``src`` (a buffer), waiting
         until ``deadline`` (``time.monotonic()``) at most."""
         while True:
-            payload = self.mailbox.take(src, key, sig)
+            payload = self._take(src, key, sig)
             if payload is not None:
-                if key.space == 1:
-                    self._credit(src, key, memoryview(payload).nbytes)
                 return payload
             self._check_peers(what, src)
             remaining = deadline - time.monotonic()

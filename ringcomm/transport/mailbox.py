@@ -83,11 +83,11 @@ class Mailbox:
             exc.remote = True
             self._aborts[(key.comm_id, key.seq)] = exc
             return
-        if key.space == 0 and key.seq <= self._retired.get(key.comm_id, -1):
+        retired = self._retired.get(key.comm_id, -1) if key.space == 0 else None
+        if retired is not None and key.seq <= retired:
             self.dropped += 1
             return
-        if key.space == 0 and self.max_lead is not None and \
-                key.seq > self._retired.get(key.comm_id, -1) + self.max_lead:
+        if retired is not None and self.max_lead is not None and key.seq > retired + self.max_lead:
             # (after failures a rank may honestly run ahead: only that collective fails)
             if (key.comm_id, key.seq) not in self._too_early:
                 log.error("rank %d sends data for collective #%d, more than one ahead of this "
@@ -101,18 +101,18 @@ class Mailbox:
             self.dropped += 1
             return
         if key.space == 1 and self.window is not None:
-            lane = (header.src, key.comm_id, key.step)  # a window per peer, communicator and tag
-            nbytes, pending = memoryview(payload).nbytes, self._p2p_pending[lane]
+            flow = (header.src, key.comm_id, key.step)  # a window per peer, communicator and tag
+            nbytes, pending = memoryview(payload).nbytes, self._p2p_pending[flow]
             if pending and pending + nbytes > self.window:  # a sender ignoring its window
-                if lane not in self._flooded:
+                if flow not in self._flooded:
                     log.error("rank %d sends point-to-point data with tag %d past the "
                               "flow-control window (%d bytes unreceived): refusing it",
                               header.src, key.step, pending)
-                self._flooded[lane] = (f"{pending} bytes of point-to-point data with tag {key.step} "
+                self._flooded[flow] = (f"{pending} bytes of point-to-point data with tag {key.step} "
                                        f"unreceived, past the flow-control window of {self.window}")
                 self.dropped += 1
                 return
-            self._p2p_pending[lane] = pending + nbytes
+            self._p2p_pending[flow] = pending + nbytes
         self._messages[ident] = (header.sig, payload)
         if key.space == 0:
             self._signatures[(key.comm_id, key.seq)].setdefault(header.src, header.sig)
