@@ -17,7 +17,7 @@ import struct
 import time
 from abc import ABC, abstractmethod
 
-from ..errors import CommError, CommTimeout, PeerLost
+from ..errors import CommError, CommTimeout
 from . import frame
 from .frame import Kind
 from .mailbox import ABORT_SIG, NO_RANK, Mailbox, abort_code
@@ -31,12 +31,13 @@ CREDIT = struct.Struct("<Q8x")  # a CREDIT's signature field: the bytes taken
 
 class Transport(ABC):
     lane_peers = frozenset()  # ranks reached through shared memory (see .zmq_transport)
+    max_lead = None           # how far ahead collective data may come (see .mailbox)
 
     def __init__(self, rank, world_size):
         self.rank = rank
         self.world_size = world_size
         self.window = P2P_WINDOW_BYTES
-        self.mailbox = Mailbox(self.window)
+        self.mailbox = Mailbox(self.window, self.max_lead)
         self._unacked = collections.defaultdict(int)  # (peer, comm, tag) -> bytes in flight
         self.running = {}   # comm id -> sequence number of the collective running here
         self._answers = {}  # peer -> its PONG state for the probe in progress
@@ -137,16 +138,9 @@ class Transport(ABC):
 
     def check(self, peer, deadline, what):
         """Raise if ``peer`` is gone or ``deadline`` passed (for a wait outside :meth:`recv`)."""
-        self._check_peers(what)
-        if self._closed_by(peer):
-            raise PeerLost(f"{what}: rank {peer} closed its communicator before receiving it",
-                           rank=peer)
+        self._check_peers(what, peer)
         if time.monotonic() > deadline:
             raise CommTimeout(f"{what}; rank {self.rank} gave up", rank=peer)
-
-    def _closed_by(self, peer):
-        """True if ``peer`` said it closed its communicator."""
-        return False
 
     def _take(self, src, key, sig):
         """The mailbox's payload for ``key`` (or ``None``); taking point-to-point data

@@ -136,7 +136,7 @@ class Mailbox:
         """
         if key.space == 0:
             self.raise_poison(key.comm_id)
-            early = self._too_early.get((key.comm_id, key.seq))
+            early = self._too_early.get((key.comm_id, key.seq)) if self._too_early else None
             if early is not None:
                 raise CommError(f"rank {early} sent data for this collective while this rank was "
                                 f"more than one collective behind; it was refused")
@@ -146,10 +146,9 @@ class Mailbox:
             for peer, theirs in self._signatures.get((key.comm_id, key.seq), {}).items():
                 if theirs != sig:
                     raise SignatureMismatch(peer, theirs, sig)
-        flood = (src, key.comm_id, key.step)
-        if key.space == 1 and flood in self._flooded:
+        if key.space == 1 and self._flooded and (src, key.comm_id, key.step) in self._flooded:
             raise CommError(f"rank {src} sent more than a well-behaved rank can "
-                            f"({self._flooded[flood]}); its data was refused")
+                            f"({self._flooded[(src, key.comm_id, key.step)]}); its data was refused")
         item = self._messages.pop((src, *key), None)
         if item is None:
             return None

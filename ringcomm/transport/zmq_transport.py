@@ -74,6 +74,8 @@ class LanePlan:
 
 
 class ZmqTransport(Transport):
+    max_lead = MAX_LEAD  # collective data further ahead is refused (see .mailbox)
+
     """Messages between ranks over ZeroMQ.
 
     ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r,
@@ -85,7 +87,6 @@ class ZmqTransport(Transport):
     def __init__(self, rank, world_size, context, pull, endpoints, socket_ids=None, grace=1.0,
                  close_wait=CLOSE_WAIT, cleanup=(), guard=None, lanes=None):
         super().__init__(rank, world_size)
-        self.mailbox.max_lead = MAX_LEAD
         self._plan = lanes
         self._out_lanes = {}  # peer -> OutLane
         self._in_lanes = InLanes(lanes.slots, lanes.slot_bytes) if lanes else None
@@ -262,9 +263,11 @@ class ZmqTransport(Transport):
                 self.rejected += 1
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
                 continue
-            if header.kind == Kind.BYE:
+            if header.kind < Kind.BYE or header.kind == Kind.SHM:  # data: the common case first
+                self.mailbox.put(header, payload)
+            elif header.kind == Kind.BYE:
                 self._said_bye.add(header.src)
-            elif not self._control(header):
+            elif not self._control(header):  # an ABORT
                 self.mailbox.put(header, payload)
 
     def _on_monitor(self, monitor):
@@ -277,9 +280,6 @@ class ZmqTransport(Transport):
             self._ready.add(peer)
         elif event in _HANDSHAKE_FAILED:
             self._refused[peer] = event
-
-    def _closed_by(self, peer):
-        return peer in self._said_bye
 
     def _check_peers(self, what, src=None):
         if src in self._said_bye:
