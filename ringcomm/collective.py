@@ -8,7 +8,8 @@ policy of a collective lives, once for every verb:
    collective left on this communicator (it failed on another rank after this one finished);
 2. run the algorithm's body over a :class:`~ringcomm.link.Link`; a body that must wait for
    messages without holding the thread (a receive, a send waiting for credit) returns a
-   :class:`~ringcomm.engine.Deferred` that completes itself;
+   :class:`~ringcomm.engine.Deferred`, which the call wraps so that its completion is
+   counted and a mismatch it meets is described like any other;
 3. wait until every byte sent may be reused (:meth:`flush`), then look once more for an
    abort of this collective sent by a rank that failed it;
 4. on failure, tell every other rank why (an ABORT), describing a signature mismatch in
@@ -21,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from . import signature
+from .engine import Deferred
 from .errors import CollectiveMismatch, SignatureMismatch
 from .link import Link
 
@@ -60,7 +62,7 @@ class Call:
             self.device.activate()
             deferred = self.body(link)
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
-                return deferred
+                return Deferred(self._finishing(link, deferred.progress), self.result)
             transport.flush(link.deadline, self.what)
             if space == 0:  # another rank may have aborted a collective this one only sent in
                 transport.pump(0)
@@ -79,6 +81,18 @@ class Call:
                 transport.retire(comm.comm_id, seq, failed)
         comm._stats.collectives += 1
         return self.result
+
+    def _finishing(self, link, progress):
+        """``progress`` of a deferred point-to-point call, counted once when it completes."""
+        def finishing():
+            try:
+                done = progress()
+            except SignatureMismatch as exc:
+                raise describe_mismatch(self.what, link.ranks[link.rank], exc) from None
+            if done:
+                self.comm._stats.collectives += 1
+            return done
+        return finishing
 
     def _abort(self, transport, exc):
         if self.space != 0:

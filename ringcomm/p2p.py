@@ -17,10 +17,10 @@ costs its senders a bounded amount of memory, and a flooding peer costs it none.
 >>> comm.send(x, dst=1, tag=7)        # rank 0
 >>> comm.recv(y, src=0, tag=7)        # rank 1: y == x
 """
+from collections import deque
+
 from .algorithms.chunks import segments
-from .collective import describe_mismatch
 from .engine import Deferred
-from .errors import SignatureMismatch
 
 
 def send(link, flat, dst, tag):
@@ -28,7 +28,7 @@ def send(link, flat, dst, tag):
     credits come back (a :class:`Deferred`)."""
     transport, peer = link.transport, link.ranks[dst]
     flow = (peer, link.comm_id, tag)
-    todo = list(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
+    todo = deque(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
     # a send that must wait for credit outlives the call: its segments are copied (a zero-copy
     # send would need the caller's array until the network took it)
     fits = transport.window_left(flow) >= flat.nbytes
@@ -42,16 +42,14 @@ def send(link, flat, dst, tag):
                                 f"of {transport.window} bytes full)")
                 return False
             link.send(dst, tag, j, flat[sl], copy=not fits)
-            todo.pop(0)
-        if not fits:  # a send that completes at once is counted by the communicator
-            link.stats.collectives += 1
+            todo.popleft()
         return True
     return None if fits and progress() else Deferred(progress)
 
 
-def recv(link, flat, src, tag, result):
+def recv(link, flat, src, tag):
     """The body of a receive: completes as the segments arrive (a :class:`Deferred`)."""
-    todo = list(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
+    todo = deque(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
 
     def progress():
         while todo:
@@ -60,13 +58,6 @@ def recv(link, flat, src, tag, result):
             if data is None:
                 return False
             flat[sl] = data
-            todo.pop(0)
-        link.stats.collectives += 1
+            todo.popleft()
         return True
-
-    def described():
-        try:
-            return progress()
-        except SignatureMismatch as exc:  # the communicator describes both sides in words
-            raise describe_mismatch(link.what, link.ranks[link.rank], exc) from None
-    return Deferred(described, result)
+    return Deferred(progress)

@@ -12,9 +12,11 @@ import struct
 
 import numpy as np
 
+# both ends of a point-to-point transfer sign it "point_to_point": a receiver checks each
+# frame's signature against its own, so a send and its recv must sign alike
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
-               "barrier", "send")
-ALGORITHMS = ("none", "ring", "ps", "rd", "dissemination")
+               "barrier", "point_to_point")
+ALGORITHMS = ("none", "ring", "ps", "rd")
 OPS = ("none", "sum", "avg", "max", "min", "prod")
 DTYPES = tuple(np.dtype(d) for d in (
     "float16", "float32", "float64", "int8", "int16", "int32", "int64",

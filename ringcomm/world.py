@@ -53,9 +53,9 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
         from .transport import connect
         engine = Engine(lambda: connect(info), name=f"ringcomm-comm-{info.rank}")
     dev = select_device(device, info.local_rank, slot_bytes=info.segment_bytes)
-    comm = Communicator(engine, range(info.world_size), info.rank, 0, "world",
-                        info.timeout, info.segment_bytes, is_world=True, device=dev)
-    comm.local_rank, comm.local_world_size = info.local_rank, info.local_world_size
+    comm = Communicator(engine, ranks=range(info.world_size), rank=info.rank, comm_id=0, name="world",
+                        timeout=info.timeout, segment_bytes=info.segment_bytes, is_world=True, device=dev,
+                        local_rank=info.local_rank, local_world_size=info.local_world_size)
     atexit.register(comm.close)
     if info.world_size > 1:
         comm.barrier()

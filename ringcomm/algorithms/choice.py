@@ -20,7 +20,10 @@ LOCAL_ALL_REDUCE_RD_BYTES = 1 << 20
 def auto_algorithm(collective, n, nbytes, local=False):
     """What ``algorithm="auto"`` runs: few-hop schedules for small messages (recursive
     doubling for all-reduce, the parameter server for broadcast and reduce), the ring
-    otherwise. ``local``: every rank of the group shares this host's lanes."""
+    otherwise; the dissemination barrier. ``local``: every rank of the group shares this
+    host's lanes."""
+    if collective == "barrier":
+        return "rd"
     if collective == "all_reduce" and n > 1:
         return "rd" if nbytes <= (LOCAL_ALL_REDUCE_RD_BYTES if local else SMALL_MESSAGE_BYTES) else "ring"
     if collective in ("broadcast", "reduce") and nbytes <= SMALL_MESSAGE_BYTES:

@@ -8,13 +8,16 @@ All-reduce on n ranks, buffer of S bytes, root 0:
 
 Traffic: the root receives (n−1)·S and sends (n−1)·S, growing with n; every other rank
 sends S and receives S. That hot spot is what the ring removes (compare :mod:`.ring`).
-Reduce-scatter and all-gather go through rank 0 the same way; broadcast and reduce talk to
-their root directly.
+Reduce-scatter and all-gather go through rank 0 (the *server*) the same way; broadcast and
+reduce talk to their root directly.
 """
+import numpy as np
 
-
-from ..ops import finalize, reduce_into
+from ..ops import ReduceOp, finalize, reduce_into
 from .chunks import segments
+
+SERVER = 0  # the rank all-reduce, reduce-scatter and all-gather go through
+_EMPTY = np.empty(0, np.uint8)
 
 
 def _gather_reduce(link, acc, op, root, source):
@@ -47,7 +50,7 @@ def _receive_from(link, root, dst, step):
         dst[sl] = link.recv(root, step, j, sl.stop - sl.start)
 
 
-def all_reduce(link, x, op, root=0):
+def all_reduce(link, x, op, root=SERVER):
     """In place: ranks send ``x`` to ``root``, which reduces and sends the result back."""
     _gather_reduce(link, x, op, root, x)
     if link.rank == root:
@@ -69,8 +72,8 @@ def broadcast(link, x, root):
         _receive_from(link, root, x, 0)
 
 
-def reduce_scatter(link, out, x, op, root=0):
-    """Root 0 reduces the whole of ``x`` (into a scratch copy) and sends each rank its chunk."""
+def reduce_scatter(link, out, x, op, root=SERVER):
+    """The server reduces the whole of ``x`` (into a scratch copy) and sends each rank its chunk."""
     n, m = link.size, out.size
     acc = x.copy() if link.rank == root else None
     _gather_reduce(link, acc, op, root, x)
@@ -82,8 +85,8 @@ def reduce_scatter(link, out, x, op, root=0):
         _receive_from(link, root, out, 1)
 
 
-def all_gather(link, out, x, root=0):
-    """Root 0 collects every rank's ``x`` into ``out`` and sends the whole of it back."""
+def all_gather(link, out, x, root=SERVER):
+    """The server collects every rank's ``x`` into ``out`` and sends the whole of it back."""
     n, r, m = link.size, link.rank, x.size
     if r != root:
         for j, sl in enumerate(segments(m, x.itemsize, link.segment_bytes)):
@@ -97,4 +100,9 @@ def all_gather(link, out, x, root=0):
     _scatter_from(link, root, [out] * n, 1)
 
 
+def barrier(link):
+    """Returns once every rank has entered: an empty all-reduce through the server."""
+    all_reduce(link, _EMPTY, ReduceOp.SUM)
 
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier"]

@@ -71,3 +71,6 @@ def barrier(link):
         link.send((r + dist) % n, rnd, 0, _EMPTY)
         link.recv((r - dist) % n, rnd, 0, 0)
         dist, rnd = dist * 2, rnd + 1
+
+
+__all__ = ["all_reduce", "barrier"]

@@ -29,8 +29,12 @@ the ring on its own; segment j of step s is processed in *wave* s+j. While the Z
 thread receives the next segments, this thread reduces the current one, and at most about
 min(segments, steps) segments are in flight per link.
 """
-from ..ops import finalize, reduce_into, reduced
+import numpy as np
+
+from ..ops import ReduceOp, finalize, reduce_into, reduced
 from .chunks import segment_table, segments
+
+_EMPTY = np.empty(0, np.uint8)
 
 
 def _pipeline(link, nsteps, nseg, first, count, on_receive):
@@ -55,13 +59,13 @@ def _length(sl):
     return sl.stop - sl.start
 
 
-def all_reduce(link, x, op, segment_bytes):
+def all_reduce(link, x, op):
     """In place on flat ``x``: every rank ends with ``op`` over all ranks' ``x``."""
     n, r = link.size, link.rank
     if n == 1:
         finalize(op, x, 1)
         return
-    table = segment_table(x.size, n, x.itemsize, segment_bytes)
+    table = segment_table(x.size, n, x.itemsize, link.segment_bytes)
 
     def chunk_of(step):
         return table[(r - step - 1) % n]
@@ -80,7 +84,7 @@ def all_reduce(link, x, op, segment_bytes):
               lambda step, j: _length(chunk_of(step)[j]), on_receive)
 
 
-def reduce_scatter(link, out, x, op, segment_bytes):
+def reduce_scatter(link, out, x, op):
     """``out`` (m elements) gets chunk ``rank`` of ``op`` over all ranks' ``x`` (n·m elements).
 
     ``x`` is not modified: partial sums travel in fresh arrays. Chunk indices are shifted by
@@ -91,7 +95,7 @@ def reduce_scatter(link, out, x, op, segment_bytes):
         out[...] = x
         finalize(op, out, 1)
         return
-    table = segment_table(x.size, n, x.itemsize, segment_bytes)
+    table = segment_table(x.size, n, x.itemsize, link.segment_bytes)
 
     def chunk_index(step):
         return (r - step - 2) % n
@@ -110,13 +114,13 @@ def reduce_scatter(link, out, x, op, segment_bytes):
               lambda step, j: _length(table[chunk_index(step)][j]), on_receive)
 
 
-def all_gather(link, out, x, segment_bytes):
+def all_gather(link, out, x):
     """``out`` (n·m elements) gets every rank's ``x`` (m elements), in rank order."""
     n, r, m = link.size, link.rank, x.size
     out[r * m:(r + 1) * m] = x
     if n == 1:
         return
-    table = segment_table(out.size, n, out.itemsize, segment_bytes)
+    table = segment_table(out.size, n, out.itemsize, link.segment_bytes)
 
     def on_receive(step, j, data):
         seg = out[table[(r - step - 1) % n][j]]
@@ -127,7 +131,7 @@ def all_gather(link, out, x, segment_bytes):
               lambda step, j: _length(table[(r - step - 1) % n][j]), on_receive)
 
 
-def broadcast(link, x, root, segment_bytes):
+def broadcast(link, x, root):
     """In place: ``x`` of ``root`` flows down the chain root → root+1 → … → root−1.
 
     Segments are forwarded as soon as they arrive, so the chain is a pipeline: time
@@ -135,14 +139,14 @@ def broadcast(link, x, root, segment_bytes):
     """
     n, r = link.size, link.rank
     pos = (r - root) % n
-    for j, sl in enumerate(segments(x.size, x.itemsize, segment_bytes)):
+    for j, sl in enumerate(segments(x.size, x.itemsize, link.segment_bytes)):
         if pos > 0:
             x[sl] = link.recv((r - 1) % n, 0, j, _length(sl))
         if pos < n - 1:
             link.send((r + 1) % n, 0, j, x[sl])
 
 
-def reduce(link, x, root, op, segment_bytes):
+def reduce(link, x, root, op):
     """``x`` on ``root`` gets ``op`` over all ranks; ``x`` elsewhere is left unchanged.
 
     Partial results flow down the chain root+1 → root+2 → … → root, one segment at a time.
@@ -153,7 +157,7 @@ def reduce(link, x, root, op, segment_bytes):
         finalize(op, x, 1)
         return
     right, left = (r + 1) % n, (r - 1) % n
-    for j, sl in enumerate(segments(x.size, x.itemsize, segment_bytes)):
+    for j, sl in enumerate(segments(x.size, x.itemsize, link.segment_bytes)):
         if pos == 0:
             link.send(right, 0, j, x[sl])
             continue
@@ -164,4 +168,9 @@ def reduce(link, x, root, op, segment_bytes):
             link.send(right, 0, j, reduced(op, x[sl], data))
 
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
+def barrier(link):
+    """Returns once every rank has entered: an empty all-reduce, 2(n−1) steps."""
+    all_reduce(link, _EMPTY, ReduceOp.SUM)
+
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier"]

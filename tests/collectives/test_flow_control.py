@@ -49,7 +49,7 @@ FLOOD = textwrap.dedent("""
     comm = ringcomm.init()
     size = 1 << 18
     if comm.rank == 0:                 # a peer that bypasses its window: 20 MiB at once
-        sig = signature.pack("send", np.dtype(np.float32), None, None, 0, size)
+        sig = signature.pack("point_to_point", np.dtype(np.float32), None, None, 0, size)
         payload = np.ones(size, np.float32).view(np.uint8)
 
         def flood(transport):

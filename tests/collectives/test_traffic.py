@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ringcomm.algorithms.chunks import chunk_bounds
-from ringcomm.comm import all_reduce_bytes, auto_algorithm
+from ringcomm.algorithms.choice import all_reduce_bytes, auto_algorithm
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -109,17 +109,17 @@ def test_selfcheck_full_default():
 BROKEN = {
     # rank 1 gets a wrong element from every ring all-reduce longer than 5
     "wrong result": """
-        def all_reduce(link, x, op, segment_bytes):
-            original(link, x, op, segment_bytes)
+        def all_reduce(link, x, op):
+            original(link, x, op)
             if link.rank == 1 and x.size > 5:
                 x[5] += 1
         """,
     # rank 1 raises inside the ring all-reduce of 1009 elements
     "exception": """
-        def all_reduce(link, x, op, segment_bytes):
+        def all_reduce(link, x, op):
             if link.rank == 1 and x.size == 1009:
                 raise IndexError("injected failure")
-            original(link, x, op, segment_bytes)
+            original(link, x, op)
         """,
 }
 

@@ -137,7 +137,7 @@ def op_sig(collective, dtype, op, algorithm, root=0, count=0):
 # -- correctness: all-reduce --------------------------------------------------------------------------
 
 ALL_REDUCE = {
-    "ring": lambda link, x, op: ring.all_reduce(link, x, op, SEG),
+    "ring": lambda link, x, op: ring.all_reduce(link, x, op),
     "ps": lambda link, x, op: ps.all_reduce(link, x, op),
     "rd": lambda link, x, op: rd.all_reduce(link, x, op),
 }
@@ -246,7 +246,7 @@ def test_reduce_scatter(n, dtype, opname, algorithm):
         def body(r, link):
             x, out = xs[r].copy(), np.full(m, 77, dtype)
             if algorithm == "ring":
-                ring.reduce_scatter(link, out, x, op, SEG)
+                ring.reduce_scatter(link, out, x, op)
             else:
                 ps.reduce_scatter(link, out, x, op)
             np.testing.assert_array_equal(x, xs[r])  # the input is left alone
@@ -266,7 +266,7 @@ def test_all_gather(n, dtype, algorithm):
         def body(r, link):
             x, out = xs[r].copy(), np.full(n * m, 77, dtype)
             if algorithm == "ring":
-                ring.all_gather(link, out, x, SEG)
+                ring.all_gather(link, out, x)
             else:
                 ps.all_gather(link, out, x)
             np.testing.assert_array_equal(x, xs[r])
@@ -286,7 +286,7 @@ def test_broadcast_from_every_root(n, dtype, algorithm):
             def body(r, link):
                 x = xs[r].copy()
                 if algorithm == "ring":
-                    ring.broadcast(link, x, root, SEG)
+                    ring.broadcast(link, x, root)
                 else:
                     ps.broadcast(link, x, root)
                 return x
@@ -306,7 +306,7 @@ def test_reduce_to_every_root(n, dtype, opname, algorithm):
             def body(r, link):
                 x = xs[r].copy()
                 if algorithm == "ring":
-                    ring.reduce(link, x, root, op, SEG)
+                    ring.reduce(link, x, root, op)
                 else:
                     ps.reduce(link, x, root, op)
                 return x
@@ -353,7 +353,7 @@ def test_ring_all_reduce_structure(n, count, dtype):
 
     def body(r, link):
         x = xs[r].copy()
-        ring.all_reduce(link, x, op, SEG)
+        ring.all_reduce(link, x, op)
 
     run = run_ok(n, body, dtype=dtype, comm_id=5, seq=9)
     assert all(kind == Kind.DATA for *_, kind in run.hub.log)
@@ -385,9 +385,9 @@ def test_ring_reduce_scatter_all_gather_structure(collective, n, m):
 
     def body(r, link):
         if collective == "reduce_scatter":
-            ring.reduce_scatter(link, np.empty(m, np.float32), np.ones(n * m, np.float32), op, SEG)
+            ring.reduce_scatter(link, np.empty(m, np.float32), np.ones(n * m, np.float32), op)
         else:
-            ring.all_gather(link, np.empty(n * m, np.float32), np.ones(m, np.float32), SEG)
+            ring.all_gather(link, np.empty(n * m, np.float32), np.ones(m, np.float32))
 
     run = run_ok(n, body)
     for r in range(n):
@@ -435,7 +435,7 @@ def test_ring_broadcast_structure(n, root_of):
     root, count = root_of(n), 45
     S = count * 4
     nseg = len(segments(count, 4, SEG))
-    run = run_ok(n, lambda r, link: ring.broadcast(link, np.ones(count, np.float32), root, SEG))
+    run = run_ok(n, lambda r, link: ring.broadcast(link, np.ones(count, np.float32), root))
     last = (root - 1) % n
     for r in range(n):
         sent = run.data(src=r)
@@ -453,7 +453,7 @@ def test_ring_broadcast_structure(n, root_of):
 def test_ring_reduce_structure(n, root):
     count = 45
     op = parse_op("max", np.float32)
-    run = run_ok(n, lambda r, link: ring.reduce(link, np.ones(count, np.float32), root, op, SEG))
+    run = run_ok(n, lambda r, link: ring.reduce(link, np.ones(count, np.float32), root, op))
     for r in range(n):
         sent = run.data(src=r)
         if r == root:
@@ -508,7 +508,7 @@ def test_signature_mismatch_raises_instead_of_hanging():
             op_sig("all_reduce", np.float32, "max", "ring", 0, count)]
     xs = stacked(n, count, np.float32, "sum")
     op = parse_op("sum", np.float32)
-    run = run_ranks(n, lambda r, link: ring.all_reduce(link, xs[r].copy(), op, SEG), sigs=sigs,
+    run = run_ranks(n, lambda r, link: ring.all_reduce(link, xs[r].copy(), op), sigs=sigs,
                     timeout=10.0)
     assert run.elapsed < 5, "a mismatch must be reported at once, not at the deadline"
     for r, exc in enumerate(run.errors):
@@ -541,7 +541,7 @@ def test_signature_mismatch_from_other_peer_while_waiting():
 def test_length_mismatch_with_same_signature_is_collective_mismatch():
     sig = op_sig("all_reduce", np.float32, "sum", "ring", 0, 10)
     op = parse_op("sum", np.float32)
-    run = run_ranks(2, lambda r, link: ring.all_reduce(link, np.ones(10 + 2 * r, np.float32), op, SEG),
+    run = run_ranks(2, lambda r, link: ring.all_reduce(link, np.ones(10 + 2 * r, np.float32), op),
                     sig=sig, timeout=10.0)
     for exc in run.errors:
         assert isinstance(exc, CollectiveMismatch) and not isinstance(exc, SignatureMismatch), exc
@@ -554,7 +554,7 @@ def test_silent_peer_times_out_after_deadline():
 
     def body(r, link):
         if r == 0:
-            ring.all_reduce(link, np.ones(20, np.float32), op, SEG)
+            ring.all_reduce(link, np.ones(20, np.float32), op)
 
     run = run_ranks(2, body, timeouts=[0.5, 10.0])
     exc = run.errors[0]
@@ -573,7 +573,7 @@ def test_remote_abort_interrupts_a_running_collective():
         if r == 2:
             link.transport.abort([0, 1, 2], link.comm_id, link.seq, CommTimeout("rank 2 gave up"))
             return None
-        ring.all_reduce(link, np.ones(50, np.float32), op, SEG)
+        ring.all_reduce(link, np.ones(50, np.float32), op)
 
     run = run_ranks(n, body, timeout=10.0)
     for r in (0, 1):

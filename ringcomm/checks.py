@@ -1,0 +1,79 @@
+"""Argument checks of the public verbs, made before anything is sent.
+
+Every check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (wrong value) on
+the calling rank alone; what the ranks must agree on (sizes, dtypes, roots) is checked
+across ranks by the signature (:mod:`ringcomm.signature`), not here.
+
+>>> flat = check_array(np.zeros((2, 3)), "x")     # the flat view the algorithms get
+>>> check_rank(5, 4, "root")                      # ValueError: root 5 is not a rank ...
+"""
+import numpy as np
+
+from . import signature
+
+
+def check_array(x, name, writable=True, device=None):
+    """The flat view of ``x``, a plain C-contiguous numpy array (or a CuPy array of
+    ``device``) of a supported dtype, writable when ``writable``."""
+    if isinstance(x, np.ndarray) and type(x) not in (np.ndarray, np.memmap):
+        # a masked array's mask, a matrix's 2-D rules: a subclass means more than its bytes
+        raise TypeError(f"{name} must be a plain numpy array, got {type(x).__module__}.{type(x).__name__} "
+                        f"(np.asarray(x) gives the plain array of its data)")
+    if not isinstance(x, np.ndarray) and not (device is not None and device.is_array(x)):
+        on_gpu = " or a CuPy array on this device" if device is not None and device.kind == "gpu" else ""
+        raise TypeError(f"{name} must be a numpy array{on_gpu}, got {type(x).__name__}")
+    if not signature.dtype_supported(x.dtype):
+        names = ", ".join(d.name for d in signature.DTYPES)
+        raise TypeError(f"{name} has unsupported dtype {x.dtype}; supported: {names}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if writable and not getattr(x.flags, "writeable", True):
+        raise ValueError(f"{name} is read-only, but this collective writes into it")
+    return x.reshape(-1)
+
+
+def check_rank(value, size, name, group="the group"):
+    if not isinstance(value, (int, np.integer)) or not 0 <= value < size:
+        raise ValueError(f"{name} {value!r} is not a rank of {group} (size {size})")
+
+
+def check_peer(peer, name, tag, rank, size, group="the group"):
+    """A point-to-point peer: a rank of the group other than this one; a 32-bit tag."""
+    check_rank(peer, size, name, group)
+    if peer == rank:
+        raise ValueError(f"{name}={peer} is this rank itself")
+    if not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 32:
+        raise ValueError(f"tag must be an integer in [0, 2**32), got {tag!r}")
+
+
+def check_pair(out, x, rank, got, want, got_name, want_name):
+    """``out`` and ``x`` of a reduce-scatter or all-gather: same dtype and type, sizes that
+    fit (``got == want``), and no overlap except NCCL's in-place form (see :func:`in_place`)."""
+    if out.dtype != x.dtype:
+        raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}; they must match")
+    if got != want:
+        raise ValueError(f"{got_name} = {got} but {want_name} = {want}")
+    if type(out) is not type(x):
+        raise TypeError(f"out is a {type(out).__name__}, x a {type(x).__name__}; they must match")
+    if _overlap(out, x) and not in_place(out, x, rank):
+        raise ValueError("out and x overlap; they may only overlap in place, with the small "
+                         "buffer being exactly this rank's slice of the large one")
+
+
+def in_place(out, x, rank):
+    """NCCL's in-place forms: reduce_scatter with ``out`` = this rank's slice of ``x``,
+    all_gather with ``x`` = this rank's slice of ``out``."""
+    big, small = (x, out) if x.size > out.size else (out, x)
+    return _address(small) == _address(big) + rank * small.size * small.itemsize
+
+
+def _address(a):
+    """Start address of an array's data (numpy or CuPy)."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def _overlap(a, b):
+    if isinstance(a, np.ndarray):
+        return np.shares_memory(a, b)
+    lo_a, lo_b = _address(a), _address(b)
+    return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
