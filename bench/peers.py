@@ -12,7 +12,7 @@ and ``init_method=tcp://127.0.0.1:PORT`` (bench/peer_torch.py), and ``mpirun -n 
 commands on a socket (bench/control.py), so only one library runs at a time. In round k
 the libraries take turns, for each size, in an order rotated by k; each turn is ``--warmup``
 untimed and ``--iters`` timed float32 SUM all-reduces, every result checked. ringcomm runs
-once per algorithm in ``--algorithms`` (default: ``ring``, which issue 4's targets name,
+once per algorithm in ``--algorithms`` (default: ``ring``, the schedule the targets in RESULTS.md name,
 and ``auto``, the default a user gets).
 
 Metrics (nccl-tests): time = median over all rounds' timed calls of the slowest rank's
@@ -21,7 +21,7 @@ all calls and ranks. ``vs gloo`` / ``vs openmpi`` = ringcomm time / peer time (<
 is faster); busbw ratios are their inverses. A peer that cannot run (torch or mpi4py not
 importable, no mpirun, a job that fails) is reported as missing or failed, never filled in.
 
-Prints one table per N and the issue-4 targets: at 4 MiB and 64 MiB ringcomm ring busbw
+Prints one table per N and the targets: at 4 MiB and 64 MiB ringcomm ring busbw
 >= 1.5x Gloo's and >= 0.8x Open MPI's; at 4 KiB ringcomm time <= 0.5x Gloo's. Writes
 ``peers.json`` and ``peers.csv`` to ``--out`` and each job's output to ``--out``/logs/.
 """
@@ -230,7 +230,7 @@ def evaluate_targets(rows, args):
                 met = None if ratio is None else (ratio >= bound if metric == "busbw" else ratio <= bound)
                 results.append({"world_size": n, "algorithm": algo, "size_bytes": size, "peer": peer,
                                 "metric": metric, "ratio": ratio, "bound": bound, "met": met})
-    print("\n# issue-4 targets: ratio = ringcomm / peer (busbw: >= bound, time: <= bound)")
+    print("\n# targets: ratio = ringcomm / peer (busbw: >= bound, time: <= bound)")
     print(f"#{'N':>2} {'ringcomm':>9} {'size':>8} {'peer':>8} {'metric':>6} {'ratio':>7} {'target':>8}  met")
     for t in results:
         sign = ">=" if t["metric"] == "busbw" else "<="

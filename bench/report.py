@@ -26,7 +26,7 @@ def peers(doc):
             vs = [f"{r.get(k):.2f}" if r.get(k) is not None else "" for k in ("vs_gloo", "vs_openmpi")]
             out.append(f"| {human(r['size_bytes'])} | {name} | {t(r['time_us'])} | {r['busbw']:.3f} | {r['wrong']} | "
                        + " | ".join(vs) + " |")
-    out.append("\n**issue-4 targets** (ratio = ringcomm / peer; busbw ≥ bound, time ≤ bound)\n")
+    out.append("\n**targets** (ratio = ringcomm / peer; busbw ≥ bound, time ≤ bound)\n")
     out.append("| N | ringcomm | size | peer | metric | ratio | target | met |")
     out.append("|---:|---|---:|---|---|---:|---:|---|")
     for g in doc["targets"]:

@@ -1,31 +1,28 @@
 """Check that every ringcomm collective gives the right answer here, then measure it.
 
-Run on every rank, normally through the launcher (it is what the launcher runs when it is
-given no script)::
+Run on every rank through the launcher::
 
-    python -m ringcomm.launch --nproc 4                      # the full check, 5-15 s
+    python -m ringcomm.launch --nproc 4 -m ringcomm.selfcheck                # 5-15 s
     python -m ringcomm.launch --nproc 4 -m ringcomm.selfcheck --quick --json out.json
 
 Three parts; rank 0 prints, the other ranks speak only to report a failure:
 
 1. **Correctness.** Every collective (all_reduce, reduce_scatter, all_gather, broadcast and
    reduce from every root, barrier, send/recv around the ring, all_reduce in a group of the
-   even ranks) runs with every algorithm, several dtypes, lengths and ops. Each rank's input
-   is a pure function of (seed, rank, dtype, length), so every rank computes the expected
-   result with numpy on all ranks' inputs, without extra communication. Integers and
-   max/min must match exactly, float sums within a few ulps per rank. All-reduce results
-   must also be bitwise identical on every rank (their crc32 are all-gathered and compared).
+   even ranks) with every algorithm, several dtypes, lengths and ops. Inputs are a pure
+   function of (seed, rank, dtype, length): every rank computes the expected result with
+   numpy, without communication. Integers and max/min must match exactly, float sums within
+   a few ulps per rank; all-reduce results bitwise on every rank (crc32s all-gathered).
 2. **Byte accounting.** ``stats()["bytes_sent"]`` after one 1 MiB all-reduce must follow the
    formulas: ring 2(n-1)S in total, about 2(n-1)S/n per rank; parameter server (n-1)S on
    rank 0 and S on every other rank.
-3. **Bandwidth.** Ring against parameter-server all-reduce at a few sizes, printed like
-   nccl-tests: median over iterations of the slowest rank's time; the results are checked.
+3. **Bandwidth.** Ring against parameter-server all-reduce at a few sizes, nccl-tests style.
 
 A *check* is one collective call verified on every rank; it fails if any rank saw a wrong
-result. The exit status is 0 only if every check passed; a rank whose own check failed
-prints the collective, algorithm, dtype, length and first wrong element on stderr. If a
-collective raises, every rank stops there (the group may no longer be in step). Each
-collective may take 60 s unless ``RINGCOMM_TIMEOUT`` (``launch --timeout``) says otherwise.
+result. The exit status is 0 only if every check passed; a rank whose own check failed prints
+the collective, algorithm, dtype, length and first wrong element on stderr. If a collective
+raises, every rank stops there (the group may no longer be in step). Each collective may
+take 60 s unless ``RINGCOMM_TIMEOUT`` (``launch --timeout``) says otherwise.
 """
 import argparse
 import json
@@ -47,7 +44,7 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dty
 KINDS = ("sum", "extreme", "prod")  # input value ranges, chosen by op
 BYTES_ACCOUNTING_SIZE = 1 << 20
 MAX_PRINTED_FAILURES = 20
-DEFAULT_TIMEOUT = 60.0  # seconds per collective, unless RINGCOMM_TIMEOUT (launch --timeout) says
+DEFAULT_TIMEOUT = 60.0  # s per collective (a hang should not cost the default 5 min), unless RINGCOMM_TIMEOUT
 
 
 class Fatal(Exception):
@@ -141,8 +138,7 @@ class Checks:
     def fail(self, index, error):
         self.failed[index] = True
         if self.printed < MAX_PRINTED_FAILURES:
-            print(f"selfcheck: rank {self.comm.rank}: FAIL {self.names[index]}: {error}",
-                  file=sys.stderr, flush=True)
+            print(f"selfcheck: rank {self.comm.rank}: FAIL {self.names[index]}: {error}", file=sys.stderr, flush=True)
         elif self.printed == MAX_PRINTED_FAILURES:
             print(f"selfcheck: rank {self.comm.rank}: more failures not shown", file=sys.stderr)
         self.printed += 1
@@ -263,10 +259,8 @@ def check_bytes(comm, checks):
     for algo in ("ring", "ps"):
         comm.reset_stats()
         checks.call(("bytes", algo, f"all_reduce of {S} B"), comm.all_reduce, x, "sum", algo)
-        stats = comm.stats()
-        every = np.empty(2 * n, np.int64)
-        checks.call(("bytes", algo, "all_gather of stats"), comm.all_gather, every,
-                    np.array([stats["bytes_sent"], stats["bytes_received"]], np.int64))
+        mine, every = np.array([comm.stats()[k] for k in ("bytes_sent", "bytes_received")]), np.empty(2 * n, np.int64)
+        checks.call(("bytes", algo, "all_gather of stats"), comm.all_gather, every, mine)
         sent, received = every[0::2].tolist(), every[1::2].tolist()
         if algo == "ring":  # chunks differ by at most one element, hence the slack per rank
             per_rank, slack = 2 * (n - 1) * S / n, 2 * (n - 1) * x.itemsize
@@ -315,7 +309,7 @@ def bandwidth(comm, checks, sizes, iters):
 
 
 def ranks(n):
-    return f"{n} rank" + ("s" if n != 1 else "")
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def print_report(n, table, accounting, bw, iters):
@@ -329,21 +323,18 @@ def print_report(n, table, accounting, bw, iters):
     print(f"  ring  by rank {ring['bytes_sent']}: total {sum(ring['bytes_sent'])}, formula 2(n-1)S = "
           f"{2 * (n - 1) * S}; per rank formula 2(n-1)S/n = {2 * (n - 1) * S / n:.0f}  "
           f"[{'ok' if ring['ok'] else 'MISMATCH'}]")
-    others = f", others S = {S}" if n > 1 else ""
-    print(f"  ps    by rank {ps['bytes_sent']}: formula rank 0 (n-1)S = {(n - 1) * S}{others}"
-          f"  [{'ok' if ps['ok'] else 'MISMATCH'}]")
+    print(f"  ps    by rank {ps['bytes_sent']}: formula rank 0 (n-1)S = {(n - 1) * S}"
+          f"{f', others S = {S}' if n > 1 else ''}  [{'ok' if ps['ok'] else 'MISMATCH'}]")
     if bw is None:
         print("\nbandwidth: skipped, there is nothing to measure with 1 rank")
         return
-    print(f"\nall_reduce bandwidth, ring vs parameter server (ps), {ranks(n)}: time = median over "
-          f"{iters} iterations of the slowest rank\nalgbw = size / time, busbw = algbw * 2(n-1)/n = "
-          f"algbw * {2 * (n - 1) / n:.3g}; ps/ring > 1: the ring is faster; "
-          f"#wrong = wrong result elements, all ranks")
+    print(f"\nall_reduce bandwidth, ring vs parameter server (ps), {ranks(n)}: time = median over {iters} "
+          f"iterations of the slowest rank\nalgbw = size / time, busbw = algbw * 2(n-1)/n = algbw * "
+          f"{2 * (n - 1) / n:.3g}; ps/ring > 1: the ring is faster; #wrong = wrong result elements, all ranks")
     print(f"#{'':>32}{'ring':^26}  {'ps':^26}")
-    print(f"#{'size':>11}{'count':>12}{'type':>9}{'time':>10}{'algbw':>8}{'busbw':>8}  "
-          f"{'time':>10}{'algbw':>8}{'busbw':>8}{'ps/ring':>9}{'#wrong':>8}")
-    print(f"#{'(B)':>11}{'(elements)':>12}{'':>9}{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}  "
-          f"{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}{'(time)':>9}")
+    head = f"{'time':>10}{'algbw':>8}{'busbw':>8}", f"{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}"
+    print(f"#{'size':>11}{'count':>12}{'type':>9}{head[0]}  {head[0]}{'ps/ring':>9}{'#wrong':>8}")
+    print(f"#{'(B)':>11}{'(elements)':>12}{'':>9}{head[1]}  {head[1]}{'(time)':>9}")
     for row in bw:
         cells = "  ".join(f"{row[a]['time_us']:>10.1f}{row[a]['algbw']:>8.3f}{row[a]['busbw']:>8.3f}"
                           for a in ("ring", "ps"))
@@ -352,8 +343,7 @@ def print_report(n, table, accounting, bw, iters):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m ringcomm.selfcheck",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ringcomm.selfcheck", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer lengths and sizes (a few seconds)")
     parser.add_argument("--sizes", type=lambda s: [parse_size(p) for p in s.split(",") if p.strip()],
                         help="bandwidth table sizes in bytes, comma separated "
@@ -367,12 +357,10 @@ def main(argv=None):
     sizes = args.sizes or ([4 << 10, 1 << 20] if args.quick else [4 << 10, 256 << 10, 4 << 20, 16 << 20])
 
     started = time.perf_counter()
-    # A hang should not keep the user waiting for the default five minutes.
     comm = ringcomm.init(timeout=None if "RINGCOMM_TIMEOUT" in os.environ else DEFAULT_TIMEOUT)
     n, r = comm.world_size, comm.rank
     if r == 0:
-        print(f"ringcomm selfcheck: {ranks(n)}, seed {args.seed}{', quick' if args.quick else ''}",
-              flush=True)
+        print(f"ringcomm selfcheck: {ranks(n)}, seed {args.seed}{', quick' if args.quick else ''}", flush=True)
     lengths = sorted({0, 1, max(n - 1, 0), 1009} | ({100_003} if not args.quick else {10_007}))
     checks = Checks(comm)
     try:

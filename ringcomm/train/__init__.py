@@ -9,5 +9,5 @@ The parts, one module each: :mod:`.config` (the options), :mod:`.mesh` (the layo
 :mod:`.models` with :mod:`.mlp` and :mod:`.gpt` (the layers a rank runs), :mod:`.strategy`
 and :mod:`.zero` (what each data-parallel strategy keeps and sends), :mod:`.step` (the
 pipeline schedule and one step), :mod:`.trainer` (the loop) and :mod:`.report`; the
-formulas they are checked against are in :mod:`ringcomm.memory` and :mod:`.traffic`.
+formulas they are checked against are in :mod:`.memory` and :mod:`.traffic`.
 """

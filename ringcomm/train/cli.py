@@ -12,7 +12,7 @@ memory and bytes sent per step against the formulas. ``--main-job`` is the proje
 demonstration run (ZeRO-2, fp16, about a minute on 2 cores), which is what
 ``python -m ringcomm.launch --nproc 4`` runs with no script.
 
-Checkpoints (:mod:`ringcomm.checkpoint`): ``--checkpoint-dir D --checkpoint-every K`` saves
+Checkpoints (:mod:`.checkpoint`): ``--checkpoint-dir D --checkpoint-every K`` saves
 every rank's state into ``D/step_NNNNNN/`` every K steps and after the last one; ``--resume``
 continues from the newest complete checkpoint in D (or starts fresh, saying so), on the same
 or another number of ranks. With ``python -m ringcomm.launch --max-restarts K ... --resume``

@@ -6,7 +6,7 @@ and held at its worst moment: saved activations, gradient contributions, transie
 gradient and gather buffers of the strategy, communication copies. Model state allocated
 before the step (parameters, optimizer state, persistent gradient buffers) is in the
 baseline; :func:`allocated_by` measures it the same way when the strategy allocates it, beside
-what :class:`ringcomm.memory.MemoryRegistry` records by category.
+what :class:`.memory.MemoryRegistry` records by category.
 
 >>> watch = PeakWatch(); watch.begin(); step(); watch.end(); watch.peak   # bytes
 """

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from ..memory import CATEGORIES, device_total, predicted
+from .memory import CATEGORIES, device_total, predicted
 from . import activations, traffic
 from .corpus import bits
 from .gpt import GPT, Context

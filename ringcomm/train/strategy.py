@@ -22,7 +22,7 @@ would reach, up to floating-point summation order.
 import numpy as np
 
 from ..device import array_module, copy_into, to_host
-from ..memory import predicted
+from .memory import predicted
 from .layout import Layout
 from .optim import LossScaler, clip_coefficient, make_optimizer
 
@@ -146,7 +146,7 @@ class Strategy:
         """Model-order fp32 parameters (called on every rank; may communicate)."""
         raise NotImplementedError
 
-    # -- checkpoints (see :mod:`ringcomm.checkpoint`) -------------------------------------
+    # -- checkpoints (see :mod:`.checkpoint`) -------------------------------------
     # ``checkpoint_kind`` says what ``state()["master"]`` holds on each rank: ``"full"`` the
     # whole padded flat buffer, ``"shard"`` this rank's shard buffer, ``"server"`` the whole
     # flat buffer everywhere but the optimizer state (m, v) on rank 0 only.

@@ -3,7 +3,7 @@
 It composes the parts, each in its own module: the layout (:mod:`.mesh`), the model's layers
 on this rank (:mod:`.models`), the data-parallel strategy over the data group
 (:mod:`.strategy`, :mod:`.zero`), the step with its pipeline schedule (:mod:`.step`),
-checkpoints (:mod:`ringcomm.checkpoint`) and the report (:mod:`.report`).
+checkpoints (:mod:`.checkpoint`) and the report (:mod:`.report`).
 
 >>> document, strategy = train(comm, TrainConfig(model="gpt", cp=2, tp=2, steps=10))
 """
@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from .. import checkpoint
-from ..checkpoint_layout import Placement
+from .checkpoint import files as checkpoint_files, state as checkpoint_state
+from .checkpoint.layout import Placement
 from ..device import to_host
-from ..memory import MemoryRegistry
+from .memory import MemoryRegistry
 from . import corpus, data as datasets, mesh as meshes, models, report
 from .config import validate
 from .memwatch import PeakWatch, allocated_by
@@ -96,10 +96,10 @@ class Job:
         cfg = self.cfg
         if not cfg.checkpoint_dir or cfg.resume:
             return []
-        existing = [e for e in checkpoint.scan(cfg.checkpoint_dir, check=False) if e.reason != "no manifest"]
+        existing = [e for e in checkpoint_files.scan(cfg.checkpoint_dir, check=False) if e.reason != "no manifest"]
         if existing and not cfg.overwrite:
             names = ", ".join(os.path.basename(e.path) for e in existing)
-            raise checkpoint.CheckpointError(
+            raise checkpoint_files.CheckpointError(
                 f"--checkpoint-dir {cfg.checkpoint_dir} already holds checkpoints ({names}): --resume to "
                 f"continue from them, or --overwrite to replace them")
         return existing
@@ -140,7 +140,7 @@ def resume(job, out):
     cfg, meta, strategy = job.cfg, job.meta, job.strategy
     if not (cfg.resume and cfg.checkpoint_dir):
         return 0, []
-    resumed = checkpoint.restore(meta, strategy, cfg, cfg.checkpoint_dir)
+    resumed = checkpoint_state.restore(meta, strategy, cfg, cfg.checkpoint_dir)
     if meta.rank == 0:
         if resumed is None:
             out(f"ringcomm.train: no complete checkpoint in {cfg.checkpoint_dir}: starting from step 0")
@@ -148,14 +148,14 @@ def resume(job, out):
             m = resumed.manifest
             how = (f", resharded from {m['strategy']} on {m['world_size']} rank(s)" if resumed.resharded else "")
             out(f"ringcomm.train: resuming from {resumed.path} (step {resumed.step}{how})")
-            for warning in checkpoint.check_compatible(m, cfg):
+            for warning in checkpoint_state.check_compatible(m, cfg):
                 out(f"ringcomm.train: warning: {warning} when the checkpoint was saved")
             for note in resumed.notes:
                 out(f"ringcomm.train: warning: {note}")
     if resumed is None:
         return 0, []
     if resumed.step > cfg.steps:
-        raise checkpoint.CheckpointError(f"{resumed.path} is at step {resumed.step}, past --steps {cfg.steps}")
+        raise checkpoint_files.CheckpointError(f"{resumed.path} is at step {resumed.step}, past --steps {cfg.steps}")
     return resumed.step, resumed.losses
 
 
@@ -183,7 +183,7 @@ def train(comm, cfg, out=print):
     if job.rank == 0:
         out(report.banner(job))
         for entry in job.replaced:  # --overwrite: every rank has checked the directory by now
-            checkpoint.remove_checkpoint(entry.path)
+            checkpoint_files.remove_checkpoint(entry.path)
             out(f"ringcomm.train: --overwrite: removed {entry.path}")
     first, losses = resume(job, out)
     groups = report.dimension_groups(mesh)
@@ -205,7 +205,7 @@ def train(comm, cfg, out=print):
         if job.rank == 0 and ((step + 1) % every == 0 or step + 1 == cfg.steps):
             out(report.progress(job, step, losses[-1], (step + 1 - first) / (time.perf_counter() - start)))
         if cfg.checkpoint_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == cfg.steps):
-            path = checkpoint.save(job.meta, strategy, cfg, step + 1, losses, cfg.checkpoint_dir)
+            path = checkpoint_state.save(job.meta, strategy, cfg, step + 1, losses, cfg.checkpoint_dir)
             if job.rank == 0 and step + 1 == cfg.steps:
                 out(f"checkpoint {path}")
     params = job.full_params()

@@ -71,8 +71,8 @@ def connect(info):
         transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints,
                                  [e["id"] for e in table], guard=guard,
                                  cleanup=rendezvous.socket_files(entry),
-                                 lanes=_lane_plan(info, entry, table))
-        transport.local_endpoints = {"ipc": entry["ipc"], "tcp": entry["tcp"], "id": entry["id"]}
+                                 lanes=_lane_plan(info, entry, table),
+                                 bound={"ipc": entry["ipc"], "tcp": entry["tcp"], "id": entry["id"]})
         try:
             transport.await_connections(time.monotonic() + info.timeout)
             transport.open_lanes(time.monotonic() + info.timeout)

@@ -85,8 +85,9 @@ class ZmqTransport(Transport):
     """
 
     def __init__(self, rank, world_size, context, pull, endpoints, socket_ids=None, grace=1.0,
-                 close_wait=CLOSE_WAIT, cleanup=(), guard=None, lanes=None):
+                 close_wait=CLOSE_WAIT, cleanup=(), guard=None, lanes=None, bound=None):
         super().__init__(rank, world_size)
+        self.bound = dict(bound or {})  # where this rank listens: {"ipc", "tcp", "id"}
         self._plan = lanes
         self._out_lanes = {}  # peer -> OutLane
         self._in_lanes = InLanes(lanes.slots, lanes.slot_bytes) if lanes else None

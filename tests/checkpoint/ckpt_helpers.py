@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 import ringcomm
-from ringcomm import checkpoint
+from ringcomm.train.checkpoint import files, state
 from ringcomm.train import strategy as strategy_module
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.trainer import train
@@ -62,7 +62,7 @@ def run_resume_and_save(comm, overrides, out_dir):
     doc, strategy = train(comm, cfg, out=lambda *a, **k: None)
     meta = comm.new_group(list(range(comm.world_size)))
     try:
-        checkpoint.save(meta, strategy, cfg, cfg.steps, doc["losses"], out_dir)
+        state.save(meta, strategy, cfg, cfg.steps, doc["losses"], out_dir)
     finally:
         meta.close()
     return doc["param_sha256"]
@@ -81,12 +81,12 @@ def cli(*args, timeout=60):
 
 
 def manifest(path):
-    with open(os.path.join(path, checkpoint.MANIFEST)) as f:
+    with open(os.path.join(path, files.MANIFEST)) as f:
         return json.load(f)
 
 
 def steps_on_disk(root):
-    return sorted(e.step for e in checkpoint.scan(root))
+    return sorted(e.step for e in files.scan(root))
 
 
 def run_train_crashing(comm, overrides, crash_step, victim):
@@ -94,12 +94,12 @@ def run_train_crashing(comm, overrides, crash_step, victim):
     ``crash_step``: ``victim="rank file"``: rank 1 writes half of its file to the temporary
     name and dies (rank 0's file is already durable); ``victim="manifest"``: every rank file
     is durable and rank 0 dies half-way through the manifest."""
-    real = checkpoint.write_durable
+    real = state.write_durable  # as saving calls it
 
     def crashing(path, data):
         in_step = os.path.basename(os.path.dirname(path)) == f"step_{crash_step:06d}"
         mine = (victim == "rank file" and comm.rank == 1 and path.endswith(".npz")) or \
-               (victim == "manifest" and path.endswith(checkpoint.MANIFEST))
+               (victim == "manifest" and path.endswith(files.MANIFEST))
         if in_step and mine:
             if victim == "rank file":  # the scenario: rank 0's file is durable first
                 other = os.path.join(os.path.dirname(path), "rank0.npz")
@@ -111,8 +111,8 @@ def run_train_crashing(comm, overrides, crash_step, victim):
             os._exit(17)
         return real(path, data)
 
-    checkpoint.write_durable = crashing
+    state.write_durable = crashing
     try:
         return run_train(comm, overrides)
     finally:
-        checkpoint.write_durable = real
+        state.write_durable = real

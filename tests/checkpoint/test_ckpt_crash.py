@@ -6,7 +6,7 @@ import os
 import pytest
 
 from ckpt_helpers import cli, run_train, run_train_crashing, steps_on_disk
-from ringcomm import checkpoint
+from ringcomm.train.checkpoint import files
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,15 +27,15 @@ def test_crash_while_writing(pools, tmp_path, victim):
         assert left[0] == "rank0.npz" and left[1].startswith("rank1.npz.tmp-") and len(left) == 2
     else:  # every rank file is durable, the manifest is torn
         assert left[0].startswith("manifest.json.tmp-") and left[1:] == ["rank0.npz", "rank1.npz"]
-    entries = {e.step: e for e in checkpoint.scan(ckpt)}
+    entries = {e.step: e for e in files.scan(ckpt)}
     assert entries[6].complete and not entries[8].complete and entries[8].reason == "no manifest"
-    assert checkpoint.newest_complete(ckpt).step == 6
+    assert files.newest_complete(ckpt).step == 6
 
     resumed = pools(2).run(run_train, dict(run, checkpoint_dir=ckpt, checkpoint_every=2, resume=True))[0]
     assert resumed["resumed_from_step"] == 6
     assert resumed["param_sha256"] == reference["param_sha256"]
     assert resumed["losses"] == reference["losses"]
-    assert steps_on_disk(ckpt) == [6, 8] and checkpoint.newest_complete(ckpt).step == 8
+    assert steps_on_disk(ckpt) == [6, 8] and files.newest_complete(ckpt).step == 8
     assert not [f for f in os.listdir(eight) if ".tmp-" in f]  # the crashed writer's leftovers are gone
 
 
@@ -63,7 +63,7 @@ def test_write_durable(tmp_path, monkeypatch):
     synced = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
-    checkpoint.write_durable(path, b"old")
+    files.write_durable(path, b"old")
     assert len(synced) == 2  # the file, then its directory
     assert open(path, "rb").read() == b"old"
 
@@ -71,6 +71,6 @@ def test_write_durable(tmp_path, monkeypatch):
         raise OSError("disk on fire")
     monkeypatch.setattr(os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk on fire"):
-        checkpoint.write_durable(path, b"new")
+        files.write_durable(path, b"new")
     assert open(path, "rb").read() == b"old"  # the old contents, whole
     assert os.listdir(tmp_path) == ["file.bin"]  # no temporary file left

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import BASE, cli, load_params, manifest, run_train, steps_on_disk
-from ringcomm import checkpoint
+from ringcomm.train.checkpoint.cli import consolidate
 from ringcomm.train.layout import Layout
 from ringcomm.train.model import param_specs
 
@@ -51,7 +51,7 @@ def test_consolidate_equals_save(pools, tmp_path, strategy, n, precision):
     pools(n).run(run_train, dict(strategy=strategy, precision=precision, checkpoint_dir=ckpt,
                                  checkpoint_every=3, save=saved))
     out = tmp_path / "consolidated.npz"
-    entry = checkpoint.consolidate(ckpt, str(out))  # the newest complete one: step 8
+    entry = consolidate(ckpt, str(out))  # the newest complete one: step 8
     assert entry.step == 8
     want, got = load_params(saved), load_params(out)
     assert list(got) == ["W0", "b0", "W1", "b1", "W2", "b2"] == list(want)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import cli
-from ringcomm import checkpoint
+from ringcomm.train.checkpoint import files, state
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.trainer import train
 
@@ -62,7 +62,7 @@ def test_checkpoint_resumes_on_another_layout(pools, tokens, tmp_path, case):
     base = dataclasses.replace(GPT, data=tokens) if kind == "gpt" else MLP
     ckpt = str(tmp_path / "ckpt")
     first = pools(n).run(run, base, dict(steps=2, checkpoint_dir=ckpt, **saved_layout))[0]
-    before = checkpoint.read_full(checkpoint.resolve(ckpt))
+    before = state.read_full(files.resolve(ckpt))
     resumed = pools(m).run(run, base, dict(checkpoint_dir=ckpt, resume=True, save=str(tmp_path / "r.npz"), **layout))[0]
     reference = pools(m).run(run, base, dict(save=str(tmp_path / "w.npz"), **layout))[0]
     assert resumed["resumed_from_step"] == 2 and resumed["losses"][:2] == first["losses"]
@@ -71,7 +71,7 @@ def test_checkpoint_resumes_on_another_layout(pools, tokens, tmp_path, case):
     assert got.files == want.files == before.names()
     for name in want.files:
         assert np.abs(got[name] - want[name]).max() <= 1e-5 * np.abs(want[name]).max(), name
-    after = checkpoint.read_full(checkpoint.resolve(ckpt))  # the resumed run saved step 4
+    after = state.read_full(files.resolve(ckpt))  # the resumed run saved step 4
     assert after.manifest["step"] == 4 and after.manifest["world_size"] == m
     assert [p.shape for p in after.params] == [p.shape for p in before.params]
 

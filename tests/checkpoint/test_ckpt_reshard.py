@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import load_params, run_resume_and_save, run_train
-from ringcomm import checkpoint
+from ringcomm.train.checkpoint import files, state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +34,7 @@ def test_reshard(pools, tmp_path, old, n, new, m, precision):
     sha = pools(m).run(run_resume_and_save, dict(strategy=new, precision=precision, steps=K,
                                                  checkpoint_dir=ckpt, resume=True), again)[0]
     assert sha == first["param_sha256"]
-    before, after = (checkpoint.read_full(checkpoint.resolve(d)) for d in (ckpt, again))
+    before, after = (state.read_full(files.resolve(d)) for d in (ckpt, again))
     assert after.manifest["world_size"] == m and after.manifest["strategy"] == new
     for key in ("params", "m", "v"):
         assert all(np.array_equal(a, b) for a, b in zip(getattr(before, key), getattr(after, key))), key

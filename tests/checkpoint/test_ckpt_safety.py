@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ckpt_helpers import BASE, run_train, steps_on_disk, subprocess_env
-from ringcomm import checkpoint
+from ringcomm.train.checkpoint import files
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,7 +80,7 @@ def test_prune_moves_a_damaged_older_checkpoint_aside(pools, tmp_path):
     pools(2).run(run_train, dict(RUN, steps=4, checkpoint_dir=str(ckpt), checkpoint_every=2))
     flip_a_byte(ckpt / "step_000002" / "rank1.npz")
     os.makedirs(ckpt / "step_000003")  # an unfinished write: never a checkpoint
-    lines = checkpoint.prune(str(ckpt), 4)
+    lines = files.prune(str(ckpt), 4)
     assert steps_on_disk(str(ckpt)) == [4]
     assert sorted(os.listdir(ckpt / "damaged")) == ["step_000002"]
     assert any("moved damaged checkpoint" in line and "step_000002" in line for line in lines)
@@ -104,8 +104,8 @@ def test_a_malformed_manifest_is_damage_not_a_crash(tmp_path):
     (ckpt / "step_000002" / "manifest.json").write_text(
         '{"format": "ringcomm-checkpoint", "version": 1, "step": 2, "world_size": 1, "files": {"rank0.npz": {}}}')
     (ckpt / "step_000002" / "rank0.npz").write_bytes(b"x")
-    entry, damaged, unfinished = checkpoint.find_resumable(str(ckpt))
+    entry, damaged, unfinished = files.find_resumable(str(ckpt))
     assert entry is None and not unfinished and "malformed manifest" in damaged[0].reason
     os.makedirs(ckpt / "step_000004")
-    (ckpt / "step_000004" / checkpoint.MANIFEST).write_text("[1, 2]")  # valid JSON, not a manifest
-    assert "not a ringcomm-checkpoint" in checkpoint.verify(str(ckpt / "step_000004"))[1]
+    (ckpt / "step_000004" / files.MANIFEST).write_text("[1, 2]")  # valid JSON, not a manifest
+    assert "not a ringcomm-checkpoint" in files.verify(str(ckpt / "step_000004"))[1]

@@ -19,7 +19,7 @@ if _DEVICES < 1:
 
 from ringcomm import kernels  # noqa: E402
 
-ref = kernels.reference_module()
+ref = kernels.reference
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 SIZES = (1, 1000, 3 * 2 ** 20 + 7)  # the last one strides: more elements than threads

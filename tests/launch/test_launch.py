@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ringcomm import launch  # noqa: E402
+from ringcomm.launch import config, workers  # noqa: E402
 
 SCRUBBED = ("MASTER_ADDR", "MASTER_PORT", "RINGCOMM_SECRET", "RINGCOMM_TIMEOUT",
             "OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE",
@@ -240,7 +240,7 @@ def test_sigterm_ignored_gets_sigkill_after_grace(tmp_path):
     res = run_launcher("--nproc", 2, script, tmp_path, FAIL_RANK="1", FAIL_HOW="2", IGNORE_TERM="1")
     elapsed = time.monotonic() - start
     assert res.returncode == 1, res.stderr
-    assert launch.GRACE_PERIOD_S <= elapsed < 15, elapsed
+    assert workers.GRACE_PERIOD_S <= elapsed < 15, elapsed
     assert "sending SIGKILL" in res.stderr, res.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(int((tmp_path / "pid0").read_text()), 0)
@@ -326,11 +326,11 @@ def test_output_prefix_and_partial_line(tmp_path):
 def test_parse_defaults_to_the_main_job(monkeypatch):
     for key in SCRUBBED:
         monkeypatch.delenv(key, raising=False)
-    cfg = launch.parse_args(["--nproc", "2"])
-    assert cfg.module == launch.DEFAULT_MODULE == "ringcomm.train"
+    cfg = config.parse_args(["--nproc", "2"])
+    assert cfg.module == config.DEFAULT_MODULE == "ringcomm.train"
     assert cfg.script is None and cfg.args == ["--main-job"] and cfg.auto_port
     assert cfg.command()[-3:] == ["-m", "ringcomm.train", "--main-job"]
-    env = launch.worker_env(cfg, 1, restart_count=3, base_env={})
+    env = config.worker_env(cfg, 1, restart_count=3, base_env={})
     assert env["RANK"] == "1" and env["RINGCOMM_RESTART_COUNT"] == "3"
 
 
@@ -339,23 +339,23 @@ def test_multinode_secret_is_deterministic_only_when_insecure(monkeypatch, tmp_p
         monkeypatch.delenv(key, raising=False)
     argv = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "1234"]
     with pytest.raises(SystemExit):
-        launch.parse_args(argv)
+        config.parse_args(argv)
     assert "RINGCOMM_SECRET" in capsys.readouterr().err
     (tmp_path / "s").write_text("from-a-file\n")
     monkeypatch.setenv("RINGCOMM_SECRET_FILE", str(tmp_path / "s"))
-    assert launch.parse_args(argv).secret == "from-a-file"
+    assert config.parse_args(argv).secret == "from-a-file"
     monkeypatch.delenv("RINGCOMM_SECRET_FILE")
     monkeypatch.setenv("RINGCOMM_INSECURE", "1")
     argv = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "1234"]
-    a, b = launch.parse_args(argv), launch.parse_args(argv)
+    a, b = config.parse_args(argv), config.parse_args(argv)
     assert a.secret == b.secret and len(a.secret) == 32
-    assert launch.parse_args(argv[:-1] + ["1235"]).secret != a.secret
+    assert config.parse_args(argv[:-1] + ["1235"]).secret != a.secret
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-3"])
 def test_timeout_must_be_finite_and_positive(value, capsys):
     with pytest.raises(SystemExit) as exc:
-        launch.parse_args(["--nproc", "2", "--timeout", value])
+        config.parse_args(["--nproc", "2", "--timeout", value])
     assert exc.value.code == 2
     assert "--timeout must be a finite number of seconds > 0" in capsys.readouterr().err
 
@@ -421,7 +421,7 @@ def test_launcher_names_a_stopped_rank_and_ends_within_the_deadline(tmp_path):
 LEAVES_A_SOCKET = """
 import os, signal, ringcomm
 comm = ringcomm.init()
-print("socket", comm._engine.transport.local_endpoints["ipc"][len("ipc://"):], flush=True)
+print("socket", comm._engine.transport.bound["ipc"][len("ipc://"):], flush=True)
 comm.barrier()
 if comm.rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ringcomm
-from ringcomm.memory import CATEGORIES, device_total
+from ringcomm.train.memory import CATEGORIES, device_total
 from ringcomm.train.config import TrainConfig, parse_args
 from ringcomm.train.trainer import load_data, train
 from ringcomm.train.data import load_npz

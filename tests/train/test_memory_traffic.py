@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ringcomm
-from ringcomm.memory import CATEGORIES, MemoryRegistry, device_total, predicted
+from ringcomm.train.memory import CATEGORIES, MemoryRegistry, device_total, predicted
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.trainer import train
 from ringcomm.train.layout import Layout

@@ -1,6 +1,6 @@
-"""kernels/: every CUDA source compiles to PTX with the expected entry points; the numpy
+"""ringcomm.kernels: every CUDA source compiles to PTX with the expected entry points; the numpy
 references compute exactly what the CPU path computes (ringcomm.ops, Strategy.update with
-ringcomm.train.optim.Adam); ringcomm.kernels finds the sources and dispatches to the references
+ringcomm.train.optim.Adam); ringcomm.kernels ships the sources and dispatches to the references
 on numpy arrays, and passes each kernel the arguments its PTX signature asks for."""
 import concurrent.futures
 import ctypes
@@ -10,7 +10,9 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 import types
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +28,8 @@ from ringcomm.train.strategy import Replicated
 
 pytestmark = pytest.mark.timeout(120)
 
-ref = kernels.reference_module()
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+ref = kernels.reference
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "ringcomm" / "kernels"
 
 # Written out here, not derived from ringcomm.kernels.ENTRY_POINTS, so a typo on either side
 # shows up.
@@ -588,52 +590,26 @@ def test_backend_is_numpy_without_cupy():
         assert kernels.backend() in ("numpy", "cupy")
 
 
-def test_kernel_dir_is_the_repository_kernels():
-    assert kernels.kernel_dir() == KERNEL_DIR
+def test_sources_ship_beside_the_dispatcher():
+    assert kernels.KERNEL_DIR == KERNEL_DIR
     assert kernels.source_path("adam") == KERNEL_DIR / "adam.cu"
     assert Path(ref.__file__).resolve() == KERNEL_DIR / "reference.py"
-    assert kernels.reference is ref
     with pytest.raises(ValueError):
         kernels.source_path("softmax")
 
 
-def _load_kernels_module_from(path):
-    spec = importlib.util.spec_from_file_location("installed_ringcomm_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_installed_layout_finds_the_packaged_copy(tmp_path, monkeypatch):
-    """A wheel puts the sources in ringcomm/_kernels/; no setup.cfg beside the package, and a
-    stray top-level kernels/ in site-packages is not taken for ours."""
-    monkeypatch.delenv("RINGCOMM_KERNELS_DIR", raising=False)
-    site = tmp_path / "site-packages"
-    (site / "ringcomm" / "_kernels").mkdir(parents=True)
-    (site / "kernels").mkdir()
-    for p in KERNEL_DIR.iterdir():
-        if p.suffix in (".cu", ".cuh", ".py"):
-            shutil.copy(p, site / "ringcomm" / "_kernels" / p.name)
-            shutil.copy(p, site / "kernels" / p.name)
-    shutil.copy(Path(kernels.__file__), site / "ringcomm" / "kernels.py")
-    installed = _load_kernels_module_from(site / "ringcomm" / "kernels.py")
-    assert installed.kernel_dir() == site / "ringcomm" / "_kernels"
-    assert Path(installed.reference_module().__file__) == site / "ringcomm" / "_kernels" / "reference.py"
-    acc = np.array([1.0, 2.0])
-    installed.reduce("max", acc, np.array([3.0, 0.0]))
-    assert acc.tolist() == [3.0, 2.0]
-    assert "extern" in installed.module_source("norm")
-
-    monkeypatch.setenv("RINGCOMM_KERNELS_DIR", str(site / "kernels"))
-    assert installed.kernel_dir() == site / "kernels"
-    monkeypatch.setenv("RINGCOMM_KERNELS_DIR", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="RINGCOMM_KERNELS_DIR"):
-        installed.kernel_dir()
-    monkeypatch.delenv("RINGCOMM_KERNELS_DIR")
-    shutil.rmtree(site / "ringcomm" / "_kernels")
-    installed._kernel_dir.cache_clear()  # looked up once per process
-    with pytest.raises(FileNotFoundError, match="_kernels"):
-        installed.kernel_dir()
+def test_an_installed_wheel_carries_the_sources(tmp_path):
+    """The wheel setup.cfg builds holds every .cu source, the header and the README as package
+    data of ringcomm.kernels: no file-path search is needed to find them."""
+    root = KERNEL_DIR.parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(root)], check=True, capture_output=True, timeout=120)
+    wheel, = tmp_path.glob("ringcomm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for source in kernels.SOURCES:
+        assert f"ringcomm/kernels/{source}.cu" in names
+    assert {"ringcomm/kernels/common.cuh", "ringcomm/kernels/README.md", "ringcomm/kernels/reference.py",
+            "ringcomm/kernels/__init__.py"} <= names
 
 
 def test_dispatch_on_numpy_arrays_is_the_reference():

@@ -1,6 +1,6 @@
-"""Regressions for races and lost errors found in review: submission order with the inline
-fast path, aborts reaching a rank that only sends, sends to a closed peer, and bitwise
-identity of recursive doubling for signed zeros and NaN."""
+"""Order and errors at the edges: a synchronous call never overtakes queued async work (the
+inline fast path), an abort reaches a rank that only sends, a send to a closed peer raises,
+and every algorithm is bitwise identical across ranks for signed zeros and NaN."""
 import textwrap
 
 import numpy as np

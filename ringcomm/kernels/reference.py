@@ -1,4 +1,4 @@
-"""numpy references for the CUDA kernels in this directory: what the CPU path computes.
+"""numpy references for the CUDA kernels of this package: what the CPU path computes.
 
 Each function has the semantics of the kernels beside it (see the header of each ``.cu``) and
 the arithmetic of the CPU code it stands for, bit for bit:
@@ -16,16 +16,14 @@ Arrays are modified in place where the kernel modifies them. Scalars are taken a
 floats so that numpy rounds them to the array's dtype (NEP 50 "weak" scalars), exactly as the
 CPU path's Python-float arithmetic does; the CUDA wrappers pass the same roundings.
 
-This file depends on numpy only; ``ringcomm.kernels`` loads it by path (it ships with the
-``.cu`` sources, see README.md).
 """
 import math
 
 import numpy as np
 
-# -- reduce.cu ---------------------------------------------------------------------------------
+from ..ops import UFUNCS as _UFUNC
 
-_UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+# -- reduce.cu ---------------------------------------------------------------------------------
 
 REDUCE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 SCALE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))

@@ -1,6 +1,6 @@
 """The checkpoint store on disk: durable (atomic) files, verification against the manifest,
 finding the newest complete checkpoint, and pruning old ones. The format itself and what a
-checkpoint holds are described in :mod:`ringcomm.checkpoint`.
+checkpoint holds are described in :mod:`ringcomm.train.checkpoint`.
 
 >>> write_durable("D/step_000120/rank0.npz", npz_bytes({"master": master}))
 >>> newest_complete("D").step                 # 120, once its manifest is written
@@ -171,7 +171,7 @@ def remove_checkpoint(path):
     shutil.rmtree(path)
 
 
-def _remove_stale_temporaries(path, names):
+def remove_stale_temporaries(path, names):
     """Delete temporary files of ``names`` left in ``path`` by a writer that crashed (each rank
     only its own: another rank may be writing its file right now)."""
     names = (names,) if isinstance(names, str) else names

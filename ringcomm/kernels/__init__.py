@@ -1,36 +1,34 @@
-"""The CUDA kernels of ``kernels/`` and their numpy references, behind one set of functions.
+"""The CUDA kernels of this package and their numpy references, behind one set of functions.
 
 Every function takes numpy or CuPy arrays (all of one kind) and works in place where the
 kernel does:
 
 - ``reduce(op, acc, incoming)``, ``finalize(op, acc, n)``, ``scale(x, factor)``,
-  ``divide(x, divisor)`` -- ``kernels/reduce.cu``;
+  ``divide(x, divisor)`` -- ``reduce.cu``;
 - ``adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
   param_out=None, clip_coef=1.0, skip_if_nonfinite=True) -> found_inf``,
-  ``grad_overflow(grad, loss_scale)`` -- ``kernels/adam.cu``;
+  ``grad_overflow(grad, loss_scale)`` -- ``adam.cu``;
 - ``scale_cast(src, dst, scale=1.0)``, ``unscale(src, dst, loss_scale) -> found_inf``,
-  ``found_nonfinite(x)`` -- ``kernels/cast.cu``;
+  ``found_nonfinite(x)`` -- ``cast.cu``;
 - ``sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=float64)``,
-  ``sq_norm(x, loss_scale=1.0) -> float`` -- ``kernels/norm.cu``.
+  ``sq_norm(x, loss_scale=1.0) -> float`` -- ``norm.cu``.
 
-numpy arrays go to the references (``kernels/reference.py``, what the CPU path computes);
+numpy arrays go to the references (:mod:`.reference`, what the CPU path computes);
 CuPy arrays go to the kernels, compiled once per process and device with
 ``cupy.RawModule(code=module_source(name), options=("-std=c++17",))`` and launched on the
 current stream.
 :func:`backend` says which of the two this process can use: ``"cupy"`` when CuPy imports and
 sees a device, else ``"numpy"``.
 
-The sources are found in :func:`kernel_dir`: ``$RINGCOMM_KERNELS_DIR`` if set; the
-repository's ``kernels/`` in a source checkout or editable install; else the copy an installed
-package ships in ``ringcomm/_kernels/``.
+The ``.cu`` sources and ``common.cuh`` lie beside this file (package data; README.md there
+says what each kernel computes and how exactness is kept).
 """
 import functools
-import importlib.util
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
+
+from . import reference
 
 SOURCES = ("reduce", "adam", "cast", "norm")
 THREADS = 256  # threads per block of every launch (norm.cu needs a multiple of 32)
@@ -56,73 +54,16 @@ def _entry_points():
 
 ENTRY_POINTS = _entry_points()
 
-# -- finding the sources ------------------------------------------------------------------------
+# -- the sources -------------------------------------------------------------------------------
 
-_HERE = Path(__file__).resolve().parent
-
-
-def _has_sources(d):
-    return (all((d / f"{name}.cu").is_file() for name in SOURCES) and (d / "common.cuh").is_file()
-            and (d / "reference.py").is_file())
-
-
-def kernel_dir():
-    """The directory holding the ``*.cu`` sources and ``reference.py``.
-
-    ``$RINGCOMM_KERNELS_DIR`` wins; then ``kernels/`` beside the package in a source tree
-    (editable installs; recognised by the ``setup.cfg`` next to it, so an unrelated top-level
-    ``kernels`` in site-packages is never picked up); then ``ringcomm/_kernels/`` (installed).
-    Looked up once per process (per value of the variable).
-    """
-    return _kernel_dir(os.environ.get("RINGCOMM_KERNELS_DIR") or None)
-
-
-@functools.cache
-def _kernel_dir(override):
-    if override:
-        d = Path(override)
-        if not _has_sources(d):
-            raise FileNotFoundError(f"RINGCOMM_KERNELS_DIR={override!r} lacks the kernel sources "
-                                    f"({', '.join(s + '.cu' for s in SOURCES)}, reference.py)")
-        return d
-    root = _HERE.parent
-    candidates = []
-    if (root / "setup.cfg").is_file() or (root / "pyproject.toml").is_file():
-        candidates.append(root / "kernels")
-    candidates.append(_HERE / "_kernels")
-    for d in candidates:
-        if _has_sources(d):
-            return d
-    raise FileNotFoundError("ringcomm's CUDA kernel sources are missing: looked in "
-                            + ", ".join(str(d) for d in candidates)
-                            + " (an installed package ships them in ringcomm/_kernels/)")
+KERNEL_DIR = Path(__file__).resolve().parent  # the .cu sources ship as this package's data
 
 
 def source_path(name):
-    """Path of ``kernels/<name>.cu``."""
+    """Path of ``<name>.cu`` in this package."""
     if name not in SOURCES:
         raise ValueError(f"unknown kernel source {name!r}; expected one of {SOURCES}")
-    return kernel_dir() / f"{name}.cu"
-
-
-@functools.cache
-def _reference_module(path):
-    spec = importlib.util.spec_from_file_location("ringcomm._kernel_reference", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    sys.modules.setdefault("ringcomm._kernel_reference", mod)
-    return mod
-
-
-def reference_module():
-    """``kernels/reference.py``, imported from :func:`kernel_dir`."""
-    return _reference_module(str(kernel_dir() / "reference.py"))
-
-
-def __getattr__(name):  # ``ringcomm.kernels.reference``, loaded on first use
-    if name == "reference":
-        return reference_module()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return KERNEL_DIR / f"{name}.cu"
 
 
 # -- CuPy ---------------------------------------------------------------------------------------
@@ -171,7 +112,7 @@ NO_CUDA_FP16 = "-DRINGCOMM_NO_CUDA_FP16"
 
 
 def module_source(name):
-    """The code ``cupy.RawModule`` compiles: ``kernels/<name>.cu`` with its
+    """The code ``cupy.RawModule`` compiles: ``<name>.cu`` with its
     ``#include "common.cuh"`` (fp16 type, finiteness tests, grid-stride loop) written out in
     place, so NVRTC needs no include path."""
     code = source_path(name).read_text()
@@ -209,7 +150,7 @@ def _function(source, entry, device_id):
 
 
 def _kernel(source, entry):
-    """The ``cupy.RawKernel`` for ``entry`` of ``kernels/<source>.cu`` on the current device."""
+    """The ``cupy.RawKernel`` for ``entry`` of ``<source>.cu`` on the current device."""
     return _function(source, entry, _cupy().cuda.Device().id)
 
 
@@ -264,7 +205,7 @@ def _flag(cp):
 
 def reduce(op, acc, incoming):
     """In place: ``acc = acc (op) incoming``; returns ``acc`` (``ringcomm.ops.reduce_into``)."""
-    ref = reference_module()
+    ref = reference
     if not _on_gpu(acc, incoming):
         return ref.reduce(op, acc, incoming)
     name = ref.op_name(op)
@@ -290,14 +231,14 @@ def _scale_like(kind, x, value):
 def scale(x, factor):
     """In place: ``x *= factor`` (``factor`` rounded to ``x.dtype``); returns ``x``."""
     if not _on_gpu(x):
-        return reference_module().scale(x, factor)
+        return reference.scale(x, factor)
     return _scale_like("scale", x, float(factor))
 
 
 def divide(x, divisor):
     """In place: ``x /= divisor`` (``divisor`` rounded to ``x.dtype``); returns ``x``."""
     if not _on_gpu(x):
-        return reference_module().divide(x, divisor)
+        return reference.divide(x, divisor)
     return _scale_like("divide", x, float(divisor))
 
 
@@ -305,8 +246,8 @@ def finalize(op, acc, n):
     """In place: a finished sum over ``n`` ranks becomes the result of ``op`` (avg divides);
     ``ringcomm.ops.finalize``."""
     if not _on_gpu(acc):
-        return reference_module().finalize(op, acc, n)
-    if reference_module().op_name(op) == "avg" and acc.size:
+        return reference.finalize(op, acc, n)
+    if reference.op_name(op) == "avg" and acc.size:
         divide(acc, n)
     return acc
 
@@ -317,7 +258,7 @@ def grad_overflow(grad, loss_scale):
     """True if ``fp32(grad) / loss_scale`` has an inf or NaN (the CPU path's overflow check),
     without writing the unscaled gradient anywhere."""
     if not _on_gpu(grad):
-        return reference_module().grad_overflow(grad, loss_scale)
+        return reference.grad_overflow(grad, loss_scale)
     cp = _cupy()
     _need_dtype(grad, "grad", "float16", "float32")
     found = _flag(cp)
@@ -332,12 +273,12 @@ def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, los
     """One fused Adam step; returns ``found_inf`` (True: inf/NaN in the unscaled gradient,
     nothing changed). ``skip_if_nonfinite=False``: the caller has decided to take the step
     (e.g. after agreeing on overflow across ranks); no check, returns False. See
-    ``kernels/reference.py:adam_step`` for the exact semantics.
+    :func:`.reference.adam_step` for the exact semantics.
 
     On CuPy arrays: the overflow check and the update are two launches on the current stream
     (the update reads the flag on the device), then one synchronisation to return the flag;
     with ``skip_if_nonfinite=False`` one launch and no synchronisation."""
-    ref = reference_module()
+    ref = reference
     if not _on_gpu(master, grad, m, v, param_out):
         return ref.adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step,
                              loss_scale, param_out=param_out, clip_coef=clip_coef,
@@ -374,7 +315,7 @@ def scale_cast(src, dst, scale=1.0):
     """``dst[...] = src * scale`` between fp32 and fp16 (product in fp32, one rounding);
     returns ``dst``."""
     if not _on_gpu(src, dst):
-        return reference_module().scale_cast(src, dst, scale)
+        return reference.scale_cast(src, dst, scale)
     _same_size(src=src, dst=dst)
     pair = (src.dtype.name, dst.dtype.name)
     entry = {("float32", "float16"): "cast_f32_to_f16", ("float16", "float32"): "cast_f16_to_f32"}.get(pair)
@@ -389,7 +330,7 @@ def unscale(src, dst, loss_scale):
     """``dst[...] = fp32(src) / loss_scale`` (``src`` fp16, or fp32 and the same array as
     ``dst``); returns True if some result is inf or NaN."""
     if not _on_gpu(src, dst):
-        return reference_module().unscale(src, dst, loss_scale)
+        return reference.unscale(src, dst, loss_scale)
     cp = _cupy()
     _need_dtype(dst, "dst", "float32")
     _same_size(src=src, dst=dst)
@@ -411,7 +352,7 @@ def unscale(src, dst, loss_scale):
 def found_nonfinite(x):
     """True if ``x`` holds an inf or NaN."""
     if not _on_gpu(x):
-        return reference_module().found_nonfinite(x)
+        return reference.found_nonfinite(x)
     cp = _cupy()
     _need_dtype(x, "x", "float16", "float32", "float64")
     found = _flag(cp)
@@ -426,7 +367,7 @@ def found_nonfinite(x):
 def sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=np.float64):
     """Per-block partial sums of ``(x / loss_scale) ** 2`` (``num_blocks`` of them, dtype
     ``acc_dtype``); their sum is the squared norm. Same array kind as ``x``."""
-    ref = reference_module()
+    ref = reference
     if not _on_gpu(x):
         return ref.sq_norm_partial(x, loss_scale, num_blocks, THREADS, acc_dtype)
     cp = _cupy()
@@ -448,11 +389,11 @@ def sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=np.float64):
 def sq_norm(x, loss_scale=1.0):
     """Squared L2 norm of ``x / loss_scale`` as a Python float (fp64 accumulation)."""
     if not _on_gpu(x):
-        return reference_module().sq_norm(x, loss_scale)
+        return reference.sq_norm(x, loss_scale)
     return float(sq_norm_partial(x, loss_scale).sum(dtype=np.float64).get())
 
 
 __all__ = ["COMPILE_OPTIONS", "ENTRY_POINTS", "NO_CUDA_FP16", "SOURCES", "THREADS", "adam_step",
            "backend", "compile_with_fallback", "divide", "finalize", "found_nonfinite",
-           "grad_overflow", "kernel_dir", "module_source", "reduce", "reference_module", "scale",
+           "grad_overflow", "module_source", "reduce", "reference", "scale",
            "scale_cast", "source_path", "sq_norm", "sq_norm_partial", "unscale"]

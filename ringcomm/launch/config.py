@@ -1,6 +1,6 @@
 """What ``python -m ringcomm.launch`` starts: its command line (torchrun's flags, parsed into a
 :class:`LaunchConfig`) and the environment of each worker. Also the launcher's own output
-(``log``), which the supervision in :mod:`ringcomm.launch` shares.
+(``log``), which the supervision in :mod:`.workers` shares.
 
 >>> cfg = parse_args(["--nproc", "2", "-m", "mypkg.train", "--lr", "0.1"], environ={})
 >>> worker_env(cfg, local_rank=1)["RANK"]                    # '1'
@@ -16,7 +16,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from . import secret as job_secret
+from .. import secret as job_secret
 
 DEFAULT_MODULE = "ringcomm.train"
 DEFAULT_ARGS = ("--main-job",)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .checkpoint_files import CheckpointError
+from .files import CheckpointError
 
 
 def layout_record(layout):

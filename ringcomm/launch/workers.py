@@ -1,65 +1,9 @@
-"""Start a group of ringcomm workers on this host (torchrun-compatible).
+"""The launcher's supervision: start every worker of a group, relay its output with a rank
+prefix, notice the first failure, name the rank that caused it (from the workers' error
+reports), stop the rest, and restart the group while restarts remain. The behaviour a user
+sees is described in :mod:`ringcomm.launch`.
 
-Usage::
-
-    python -m ringcomm.launch [options] [script.py args... | -m module args...]
-
-With neither a script nor ``-m``, the project's main job ``-m ringcomm.train --main-job``
-(``DEFAULT_MODULE``, ``DEFAULT_ARGS``: ZeRO-2 fp16 training) is run.  Everything after the script path or the module
-name is handed to every worker unchanged, so ``train.py --lr 0.1`` reaches the
-worker as ``sys.argv[1:] == ["--lr", "0.1"]``.
-
-Options (dash and underscore spellings are both accepted):
-
-  --nproc N             workers on this host (alias --nproc-per-node), default 1
-  --nnodes N            hosts in the job, default 1
-  --node-rank R         index of this host, default 0
-  --master-addr HOST    rank 0's host; default $MASTER_ADDR or 127.0.0.1
-  --master-port PORT    default $MASTER_PORT; with one node a free TCP port is
-                        picked (again for each restart); with several, 29500
-  --max-restarts K      on a failure stop all workers and start them all again,
-                        at most K times (single node only), default 0
-  --timeout SECONDS     collective deadline, exported as RINGCOMM_TIMEOUT
-  --device KIND         auto | cpu | gpu, exported as RINGCOMM_DEVICE
-  --no-prefix           let workers write straight to the launcher's terminal
-
-Environment of each worker (on top of the launcher's own):
-
-  RANK = node_rank * nproc + local_rank, LOCAL_RANK, WORLD_SIZE = nnodes * nproc,
-  LOCAL_WORLD_SIZE = nproc, GROUP_RANK = node_rank, MASTER_ADDR, MASTER_PORT,
-  TORCHELASTIC_RESTART_COUNT and RINGCOMM_RESTART_COUNT (attempt number, from 0),
-  PYTHONUNBUFFERED=1, OMP_NUM_THREADS=1 (only if nproc > 1 and it is not set),
-  RINGCOMM_TIMEOUT (only with --timeout), RINGCOMM_DEVICE (only with --device),
-  RINGCOMM_JOB_ID (from the launcher's environment, else random on one node), and
-  RINGCOMM_SECRET: from the launcher's RINGCOMM_SECRET or RINGCOMM_SECRET_FILE, else random
-  on one node; with several nodes one of them is required (RINGCOMM_INSECURE=1 accepts a
-  secret derived from the master address and port, with a warning).
-
-Workers run as ``sys.executable -u ...``, each in its own session/process group. On Linux
-each is killed by the kernel (SIGKILL) when the launcher dies, however it dies: workers never
-outlive their launcher.
-Their stdout and stderr lines are re-emitted as ``[rank R]: line`` on the
-launcher's stdout and stderr respectively.
-
-Failure behaviour: as soon as one worker exits non-zero or dies by a signal, the
-launcher waits up to 1.5 s for the others' reports, then says on stderr what ended each
-failed rank (``ringcomm.launch: rank 2 (local rank 2, pid 1234) failed: exit code 3:
-ValueError: ...``; each worker writes its uncaught exception to ``RINGCOMM_ERROR_FILE``).
-When failed ranks blame another one (a ``CommTimeout`` after a liveness check, a
-``PeerLost``), they are reported as its victims and it is named: ``rank 1 stopped answering
-its peers (named by rank(s) 0, 2); it is still running, stopped or hung: killing it now``. Then the launcher
-sends SIGTERM to every worker's process group, waits 3 s, SIGKILLs whatever is left and
-reaps all workers.  It then restarts
-the group if restarts remain.  Exit status: 0 if every worker exited 0, 1 after
-a failure, 130 on SIGINT and 143 on SIGTERM (forwarded to workers as SIGTERM).
-
-Examples::
-
-    python -m ringcomm.launch --nproc 4                    # the main job (ZeRO-2 training)
-    python -m ringcomm.launch --nproc 4 -m ringcomm.selfcheck   # check every collective
-    python -m ringcomm.launch --nproc 2 train.py --lr 0.1
-    RINGCOMM_SECRET=... python -m ringcomm.launch --nnodes 2 --node-rank 0 \\
-        --nproc 8 --master-addr 10.0.0.1 --master-port 29500 -m mypkg.train
+>>> sys.exit(main(["--nproc", "2", "train.py"]))
 """
 from __future__ import annotations
 
@@ -77,9 +21,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import rundir
-from .launch_config import (  # noqa: F401 - part of this module's interface
-    DEFAULT_ARGS, DEFAULT_MODULE, DEFAULT_MULTINODE_PORT, PROG, LaunchConfig, _stdout_lock, _stderr_lock,
+from .. import rundir
+from .config import (
+    PROG, LaunchConfig, _stdout_lock, _stderr_lock,
     _write, free_port, log, parse_args, worker_env)
 
 GRACE_PERIOD_S = 3.0
@@ -374,6 +318,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         catcher.restore()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,6 @@
+"""``python -m ringcomm.launch``: see :mod:`ringcomm.launch`."""
+import sys
+
+from .workers import main
+
+sys.exit(main())
