@@ -56,17 +56,17 @@ class Call:
                     device=self.device)
         failed = True
         try:
-            transport.pump(0)
             if space == 0:
-                transport.mailbox.raise_poison(comm.comm_id)
+                transport.raise_news(comm.comm_id)
+            else:
+                transport.pump(0)
             self.device.activate()
             deferred = self.body(link)
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
                 return Deferred(self._finishing(link, deferred.progress), self.result)
             transport.flush(link.deadline, self.what)
             if space == 0:  # another rank may have aborted a collective this one only sent in
-                transport.pump(0)
-                transport.mailbox.raise_abort(comm.comm_id, seq)
+                transport.raise_news(comm.comm_id, seq)
             failed = False
         except SignatureMismatch as exc:
             error = describe_mismatch(self.what, comm.ranks[comm.rank], exc)

@@ -186,3 +186,14 @@ def copy_into(dst, src):
         dst[...] = to_host(src)
     else:
         dst[...] = array_module(dst).asarray(src, dtype=dst.dtype)
+
+
+def cast_into(dst, src):
+    """``dst[...] = src`` for a float32 ``src`` and float16 ``dst`` (the fp16 copy of fp32
+    master weights): the cast kernel when both are on the GPU, else :func:`copy_into`. Both
+    round each value to nearest even, so the bits are the same either way."""
+    if isinstance(dst, np.ndarray) or isinstance(src, np.ndarray):
+        copy_into(dst, src)
+        return
+    from . import kernels
+    kernels.scale_cast(src, dst)

@@ -6,7 +6,8 @@ other ranks raises a :class:`CommError`:
 
 - :class:`CommTimeout`: a deadline passed; the message names the collective, its sequence
   number and the rank that was being waited on; when a liveness check found the rank that
-  stopped answering (or one that never started the collective), ``.rank`` names it.
+  stopped answering (or one that never started the collective), ``.rank`` names it and
+  ``.cause`` says which (``"silent"`` or ``"not started"``).
 - :class:`PeerLost`: another rank died or closed its communicator; ``.rank`` names it.
 - :class:`CollectiveMismatch`: ranks called different collectives, or the same collective
   with different arguments; the message describes both sides.
@@ -22,12 +23,19 @@ class CommError(RuntimeError):
     remote = False
 
 
-class CommTimeout(CommError, TimeoutError):
-    """A wait passed its deadline; ``.rank``: the rank to blame, when one is known."""
+TIMEOUT_CAUSES = (None, "silent", "not started")  # on the wire as their index
 
-    def __init__(self, message, rank=None):
+
+class CommTimeout(CommError, TimeoutError):
+    """A wait passed its deadline; ``.rank``: the rank to blame, when one is known;
+    ``.cause``: why, when a liveness check found out: ``"silent"`` (no reply: stopped, hung
+    outside Python or unreachable) or ``"not started"`` (alive, never started the collective)."""
+
+    def __init__(self, message, rank=None, cause=None):
         super().__init__(message)
-        self.rank = rank
+        if cause not in TIMEOUT_CAUSES:
+            raise ValueError(f"unknown timeout cause {cause!r}; expected one of {TIMEOUT_CAUSES}")
+        self.rank, self.cause = rank, cause
 
 
 class PeerLost(CommError):

@@ -109,11 +109,11 @@ class Link:
             return CommTimeout(
                 f"{self.what}: rank {silent[0]} stopped answering (no reply to a liveness check: "
                 f"it is stopped, hung outside Python, or unreachable); rank {me} timed out "
-                f"waiting for rank {src}", rank=silent[0])
+                f"waiting for rank {src}", rank=silent[0], cause="silent")
         if behind and self.space == 0:
             return CommTimeout(
                 f"{self.what}: rank {behind[0]} is alive but never started this collective (it "
                 f"is busy elsewhere, or the ranks issue collectives in different orders); rank "
-                f"{me} timed out waiting for rank {src}", rank=behind[0])
+                f"{me} timed out waiting for rank {src}", rank=behind[0], cause="not started")
         timeout.rank = src
         return timeout

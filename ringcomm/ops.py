@@ -12,6 +12,9 @@ from enum import Enum
 
 import numpy as np
 
+from . import kernels
+from .kernels.reference import UFUNCS
+
 
 class ReduceOp(str, Enum):
     """How a collective combines the ranks' values. ``str`` members: ``"sum" == ReduceOp.SUM``."""
@@ -21,18 +24,6 @@ class ReduceOp(str, Enum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
-
-
-_UFUNC = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.PROD: np.multiply,
-}
-
-
-UFUNCS = {op.value: ufunc for op, ufunc in _UFUNC.items()}  # by name: numpy references
 
 
 def parse_op(op, dtype):
@@ -50,39 +41,28 @@ def parse_op(op, dtype):
     return op
 
 
-def _device_kernels(array):
-    """The CUDA kernels (ringcomm.kernels) for a CuPy array, None for a numpy one."""
-    if isinstance(array, np.ndarray):
-        return None
-    from . import kernels
-    return kernels
-
-
 def reduce_into(op, acc, incoming):
     """In place: ``acc = acc (op) incoming``; returns ``acc``. On a GPU: kernels/reduce.cu."""
-    gpu = _device_kernels(acc)
-    if gpu is not None:
-        return gpu.reduce(op.value, acc, incoming)
-    return _UFUNC[op](acc, incoming, out=acc)
+    if not isinstance(acc, np.ndarray):
+        return kernels.reduce(op.value, acc, incoming)
+    return UFUNCS[op.value](acc, incoming, out=acc)
 
 
 def reduced(op, a, b, out=None):
     """``a (op) b`` into ``out``, or into a new array when ``out`` is None."""
-    gpu = _device_kernels(a)
-    if gpu is not None:
+    if not isinstance(a, np.ndarray):
         if out is None:
             out = a.copy()
         else:
             out[...] = a
-        return gpu.reduce(op.value, out, b)
-    return _UFUNC[op](a, b, out=out)
+        return kernels.reduce(op.value, out, b)
+    return UFUNCS[op.value](a, b, out=out)
 
 
 def finalize(op, acc, n):
     """In place: turn a finished sum over ``n`` ranks into the result of ``op`` (avg divides)."""
-    gpu = _device_kernels(acc)
-    if gpu is not None:
-        return gpu.finalize(op.value, acc, n)
+    if not isinstance(acc, np.ndarray):
+        return kernels.finalize(op.value, acc, n)
     if op is ReduceOp.AVG and acc.size:
         np.true_divide(acc, n, out=acc)
     return acc

@@ -74,7 +74,7 @@ def resolve(info, environ=None):
     if info.world_size == 1:
         return secrets.token_hex(16), ""
     if info.local_world_size == info.world_size:
-        return _agree_on_this_host(info, environ)
+        return _agree_on_this_host(info)
     if insecure(environ):
         log.warning(INSECURE_WARNING)
         return derived(info.master_addr, info.master_port), ""
@@ -92,11 +92,12 @@ def _start_time(pid):
         return ""
 
 
-def _launch_key(info, environ):
-    """What every rank of one launch on this host shares, and no other launch does."""
+def _launch_key(info):
+    """What every rank of one launch on this host shares, and no other launch does: the
+    rendezvous address, the launcher process (pid and start time) and the job's name with its
+    restart round (:func:`ringcomm.env.job_id`)."""
     parent = os.getppid()
-    restart = environ.get("TORCHELASTIC_RESTART_COUNT", environ.get("RINGCOMM_RESTART_COUNT", ""))
-    raw = f"{info.master_addr}:{info.master_port}:{parent}:{_start_time(parent)}:{restart}"
+    raw = f"{info.master_addr}:{info.master_port}:{parent}:{_start_time(parent)}:{info.job}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -111,9 +112,9 @@ def _read(path):
         return None
 
 
-def _agree_on_this_host(info, environ):
+def _agree_on_this_host(info):
     directory = rundir.path()
-    path = os.path.join(directory, f"secret-{_launch_key(info, environ)}")
+    path = os.path.join(directory, f"secret-{_launch_key(info)}")
     if info.local_rank == 0:
         def stale(name):  # left by a local rank 0 killed before everyone joined
             found = _read(os.path.join(directory, name)) if name.startswith("secret-") else None

@@ -35,7 +35,7 @@ import zlib
 import numpy as np
 
 import ringcomm
-from ringcomm.ops import UFUNCS
+from ringcomm.kernels.reference import UFUNCS
 from ringcomm.units import human, parse_size
 
 SEED = 20240521

@@ -73,7 +73,8 @@ def _report_to_launcher(path):
         blames = getattr(exc, "rank", None) if isinstance(exc, CommError) else None
         try:
             with open(path, "w") as f:
-                json.dump({"type": kind.__name__, "message": str(exc)[:2000], "blames": blames}, f)
+                json.dump({"type": kind.__name__, "message": str(exc)[:2000], "blames": blames,
+                           "cause": getattr(exc, "cause", None) if isinstance(exc, CommError) else None}, f)
         except OSError:
             pass
         previous(kind, exc, tb)

@@ -21,9 +21,11 @@ import math
 
 import numpy as np
 
-from ..ops import UFUNCS as _UFUNC
-
 # -- reduce.cu ---------------------------------------------------------------------------------
+
+# which numpy ufunc each reduce op is (avg adds; finalize divides once): the one table
+# ringcomm.ops and the self-check use too
+UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 
 REDUCE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 SCALE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))
@@ -32,8 +34,8 @@ SCALE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))
 def op_name(op):
     """``"sum"`` for ``"sum"``, ``"SUM"`` or ``ReduceOp.SUM``; ValueError for anything else."""
     name = getattr(op, "value", op)
-    if not isinstance(name, str) or name.lower() not in _UFUNC:
-        raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(_UFUNC)}")
+    if not isinstance(name, str) or name.lower() not in UFUNCS:
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(UFUNCS)}")
     return name.lower()
 
 
@@ -43,7 +45,7 @@ def reduce(op, acc, incoming):
     fp16 is computed by numpy as fp32 rounded once to fp16, integers wrap, max/min propagate
     NaN -- the kernel's ``reduce_<op>_<dtype>``.
     """
-    return _UFUNC[op_name(op)](acc, incoming, out=acc)
+    return UFUNCS[op_name(op)](acc, incoming, out=acc)
 
 
 def scale(x, factor):
@@ -107,7 +109,7 @@ def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, los
     skips the step on all; without loss scaling the CPU path never skips).
     """
     s = adam_scalars(lr, beta1, beta2, eps, weight_decay, step, loss_scale, clip_coef)
-    g = grad.astype(np.float32)  # a copy, as owned_grad32()
+    g = grad.astype(np.float32)  # a copy, as Strategy.update makes
     g /= s["loss_scale"]
     if skip_if_nonfinite and not np.isfinite(g).all():
         return True

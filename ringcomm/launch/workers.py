@@ -190,8 +190,8 @@ class WorkerGroup:
             worker = by_rank.get(culprit)
             running = worker is not None and worker.proc.poll() is None
             named = f"named by rank(s) {', '.join(map(str, sorted(namers)))}"
-            said = " ".join(str(reports[r].get("message")) for r in namers)
-            if running and "never started" in said and "stopped answering" not in said:
+            causes = {reports[r].get("cause") for r in namers}
+            if running and "not started" in causes and "silent" not in causes:
                 log(f"rank {culprit} is alive but never started the collective its peers waited "
                     f"in ({named}): killing it now")
             elif running:

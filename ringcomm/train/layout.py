@@ -13,6 +13,9 @@ Words used by the strategies:
 - **shard**: rank r's 1/N slice of every unit. A rank's shard buffer is the concatenation of
   its slices of all units, so the optimizer sees one flat fp32 array per rank.
 
+- **countdown**: how many gradients of each unit backward has still to produce; when one
+  reaches zero the unit's collective may start (DDP's all-reduce, ZeRO's reduce-scatter).
+
 >>> lay = Layout([("W0", (3, 2)), ("b0", (2,))], world_size=2, unit_bytes=1 << 20, itemsize=4)
 >>> [(u.start, u.stop, u.shard_size) for u in lay.units]  # one bucket: b0 then W0, 8 elements
 [(0, 8, 4)]
@@ -138,3 +141,28 @@ class Layout:
         for u in self.units:
             lo, hi = u.own_range(rank)
             copy_into(flat[lo:hi], self.shard_view(shard, u))
+
+
+class Countdown:
+    """The gradients of each unit still to come in one backward pass.
+
+    >>> countdown = Countdown(lay)
+    >>> countdown.done(1)       # the unit of parameter 1 if that was its last gradient, else None
+    >>> countdown.reset()       # after backward: the next pass counts afresh
+    """
+
+    def __init__(self, layout):
+        self.layout = layout
+        self._left = {}  # unit index -> gradients still to come; empty between passes
+
+    def done(self, p):
+        """Count parameter ``p``'s gradient (once per backward pass, however many micro-batches
+        added to it); return its unit when that was the unit's last one."""
+        if not self._left:
+            self._left = {u.index: len(u.params) for u in self.layout.units}
+        unit = self.layout.unit_of_param[p]
+        self._left[unit.index] -= 1
+        return unit if self._left[unit.index] == 0 else None
+
+    def reset(self):
+        self._left = {}

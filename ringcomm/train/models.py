@@ -31,7 +31,7 @@ class StageModel:
     gpt: object        # the GPT (its context) or None
     seq_len: int       # positions per sequence (1 for the MLP)
     offset: int        # the model-order index of this stage's first layer
-    tp_specs: list     # every tp rank's ``specs``
+    uneven_tp: bool    # the tp ranks' pieces differ in size (an MLP width tp does not divide)
 
     def layer_members(self):
         """Per layer, the local indices of its parameters (in the layer's order)."""
@@ -43,9 +43,8 @@ class StageModel:
         flat layout: tied parameters, and parameters replicated over tp when the tp ranks'
         pieces differ in size (an MLP width that does not divide by tp). Each gets a unit of
         its own, so its copies are reduced alike and stay bitwise equal."""
-        uneven = len({tuple(s.local_shape for s in specs) for specs in self.tp_specs}) > 1
         return [i for i, g in enumerate(self.local)
-                if g in self.tied or (uneven and self.specs[g].replicated)]
+                if g in self.tied or (self.uneven_tp and self.specs[g].replicated)]
 
     def local_specs(self):
         return [self.specs[g] for g in self.local]
@@ -105,8 +104,7 @@ def build(cfg, mesh, dtype):
         tp_specs = [gpt_specs(shape, mesh.tp, t) for t in range(mesh.tp)]
         every, seq_len = gpt.layers, shape.seq_len
     specs = tp_specs[mesh.t]
-    if mesh.pp > len(every):
-        raise ValueError(f"--pp {mesh.pp} exceeds the model's {len(every)} layers")
+    uneven_tp = len({tuple(s.local_shape for s in specs) for specs in tp_specs}) > 1
     stages = [every[lo:hi] for lo, hi in split(0, len(every), mesh.pp)]
     holders = {}
     for p, layers in enumerate(stages):
@@ -117,7 +115,7 @@ def build(cfg, mesh, dtype):
     offset = split(0, len(every), mesh.pp)[mesh.p][0]
     local = sorted({g for layer in layers for g in layer.params})
     tied = {g for g in local if len(holders[g]) > 1}
-    return StageModel(cfg.model, specs, layers, local, tied, gpt, seq_len, offset, tp_specs)
+    return StageModel(cfg.model, specs, layers, local, tied, gpt, seq_len, offset, uneven_tp)
 
 
 def counted(stage, mesh):

@@ -21,9 +21,10 @@ would reach, up to floating-point summation order.
 """
 import numpy as np
 
-from ..device import array_module, copy_into, to_host
+from .. import kernels
+from ..device import array_module, cast_into, copy_into, to_host
 from .memory import predicted
-from .layout import Layout
+from .layout import Countdown, Layout
 from .optim import LossScaler, clip_coefficient, make_optimizer
 
 
@@ -59,14 +60,19 @@ class Strategy:
         """The optimizer step after :meth:`finish_backward`; returns ``(loss, skipped)``: the
         sum of every rank's ``loss_share`` and whether the step was skipped (fp16 overflow
         anywhere in the job)."""
-        grad = self.owned_grad32()
+        grad = self.owned_grad()
         if grad is not None and self.cfg.offload:
-            grad = to_host(grad)  # offload: the optimizer step runs on the host
+            grad = to_host(grad)  # offload: the optimizer step runs on the host; fp16 crosses as fp16
         flags = np.array([0.0, 0.0, loss_share])
         if grad is not None:
+            # from here a fresh fp32 array (clipping scales it in place): fp16 is cast,
+            # unscaled and checked for inf/NaN in one pass (one kernel on a GPU)
             if self.mixed:
-                grad /= self.scaler.scale
-            flags[0] = 0.0 if bool(array_module(grad).isfinite(grad).all()) else 1.0
+                grad, fp16 = array_module(grad).empty(grad.size, np.float32), grad
+                flags[0] = kernels.unscale(fp16, grad, self.scaler.scale)
+            else:
+                grad = grad.astype(np.float32)
+                flags[0] = kernels.found_nonfinite(grad)
             if self.cfg.clip_grad_norm and not flags[0]:
                 flags[1] = self._squared_norm(grad)
         self.meta.all_reduce(flags)  # overflow anywhere, squared norm of every piece once, loss
@@ -86,11 +92,10 @@ class Strategy:
         xp = array_module(grad)
         if getattr(self, "_weight", None) is None or array_module(self._weight) is not xp:
             self._weight = xp.asarray(self.owned_weight())
-        g = grad.astype(np.float64)
-        return float(xp.dot(g * self._weight, g))
+        return kernels.sq_norm(grad * self._weight)  # a weight is 0 or 1: the product is exact
 
     def owned_weight(self):
-        """1 where an element of :meth:`owned_grad32` counts in the global norm, else 0."""
+        """1 where an element of :meth:`owned_grad` counts in the global norm, else 0."""
         lay = self.layout
         mask = lay.pack([np.full(shape, float(c), np.float32) for (_, shape), c in zip(lay.specs, self.counted)],
                         np.float32)
@@ -189,8 +194,8 @@ class Replicated(Strategy):
         else:
             self.master = self.flat_params
         self.make_optimizer(lay.total if owner else 0)
-        self._pending = []
-        self._remaining = {}
+        self._pending = []  # (unit, work) all-reduces in flight
+        self._countdown = Countdown(lay)
 
     def steps_optimizer(self):
         """Whether this rank keeps optimizer state and steps it (every rank, here)."""
@@ -206,16 +211,13 @@ class Replicated(Strategy):
             self.grads[p][...] += grad
 
     def grad_done(self, p):
-        unit = self.layout.unit_of_param[p]
-        if not self._remaining:
-            self._remaining = {u.index: len(u.params) for u in self.layout.units}
-        self._remaining[unit.index] -= 1
-        if self._remaining[unit.index] == 0 and self.cfg.overlap and self.n > 1:
+        unit = self._countdown.done(p)
+        if unit is not None and self.cfg.overlap and self.n > 1:
             work = self.comm.all_reduce(self.flat_grads[unit.start:unit.stop], algorithm="ring", async_op=True)
             self._pending.append((unit, work))
 
     def finish_backward(self):
-        self._remaining = {}
+        self._countdown.reset()
         if self.n == 1:
             return
         if not self.cfg.overlap:
@@ -228,15 +230,17 @@ class Replicated(Strategy):
             self.trace.comm(f"all_reduce bucket {unit.index}", work, bytes=unit.padded * self.dtype.itemsize)
         self._pending = []
 
-    def owned_grad32(self):
-        return self.flat_grads.astype(np.float32)
+    def owned_grad(self):
+        """The reduced gradient of what this rank's optimizer steps, flat, in the working
+        dtype; ``None`` on a rank that steps nothing."""
+        return self.flat_grads
 
     def master_pieces(self):
         return [(self.master, 0, self.layout.total)]
 
     def write_back(self):
         if self.mixed:
-            copy_into(self.flat_params, self.master)
+            cast_into(self.flat_params, self.master)
 
     def full_params(self):
         source = self.master if self.mixed else self.flat_params
@@ -280,8 +284,8 @@ class ParameterServer(Replicated):
             work.wait()
             self.trace.comm("reduce grads at rank 0", work)
 
-    def owned_grad32(self):
-        return self.flat_grads.astype(np.float32) if self.rank == 0 else None
+    def owned_grad(self):
+        return self.flat_grads if self.rank == 0 else None
 
     def publish(self, skipped):
         if self.n > 1 and not skipped:

@@ -23,8 +23,8 @@ gradients at 2, parameters at 3.
 """
 import numpy as np
 
-from ..device import copy_into, to_host
-
+from ..device import cast_into, copy_into, to_host
+from .layout import Countdown
 from .strategy import Strategy
 
 SHARD_AT_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
@@ -68,7 +68,7 @@ class Zero(Strategy):
             self.master = self.reg.alloc(self.optimizer_category, "master shard", lay.shard_total, np.float32)
             copy_into(self.master, lay.own_shard(lay.pack(params, np.float32), r))
         self.make_optimizer(lay.shard_total)
-        self._remaining = {}
+        self._countdown = Countdown(lay)
         self._pending = []  # (unit, work) reduce-scatters in flight
 
     # -- parameters -----------------------------------------------------------------------
@@ -141,11 +141,8 @@ class Zero(Strategy):
             view[...] += grad
 
     def grad_done(self, p):
-        unit = self.layout.unit_of_param[p]
-        if not self._remaining:
-            self._remaining = {u.index: len(u.params) for u in self.layout.units}
-        self._remaining[unit.index] -= 1
-        if self._remaining[unit.index] == 0 and self.cfg.overlap:
+        unit = self._countdown.done(p)
+        if unit is not None and self.cfg.overlap:
             self._reduce_scatter(unit)
         self._free_finished()
 
@@ -176,17 +173,17 @@ class Zero(Strategy):
         self._pending = still
 
     def finish_backward(self):
-        self._remaining = {}
+        self._countdown.reset()
         if not self.cfg.overlap:
             for unit in self.layout.units:
                 self._reduce_scatter(unit)
         self._free_finished(wait=True)
 
     # -- optimizer ----------------------------------------------------------------------------
-    def owned_grad32(self):
+    def owned_grad(self):
         if self.sharded("grads"):
-            return self.grad_shard.astype(np.float32)
-        return self.layout.own_shard(self.flat_grads, self.rank).astype(np.float32)
+            return self.grad_shard
+        return self.layout.own_shard(self.flat_grads, self.rank)
 
     def _own(self, flat):
         return self.layout.own_shard(flat, self.rank)
@@ -204,7 +201,7 @@ class Zero(Strategy):
         if not self.mixed:
             return
         if self.sharded("params"):
-            copy_into(self.param_shard, self.master)
+            cast_into(self.param_shard, self.master)
         else:
             self.layout.scatter_shard(self.master, self.flat_params, self.rank)
 

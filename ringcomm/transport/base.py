@@ -17,7 +17,7 @@ import struct
 import time
 from abc import ABC, abstractmethod
 
-from ..errors import CommError, CommTimeout
+from ..errors import TIMEOUT_CAUSES, CommError, CommTimeout
 from . import frame
 from .frame import Kind
 from .mailbox import ABORT_SIG, NO_RANK, Mailbox, abort_code
@@ -182,11 +182,23 @@ class Transport(ABC):
                     f"(step {key.step}, segment {key.segment}); rank {self.rank} gave up")
             self._pump(min(remaining, 0.1))
 
+    def raise_news(self, comm_id, seq=None):
+        """Let arrived messages in, then raise what other ranks reported about communicator
+        ``comm_id``: without ``seq``, the failure of a collective this rank had already
+        finished (it fails the next one); with ``seq``, an abort of collective ``seq``."""
+        self._pump(0)
+        if seq is None:
+            self.mailbox.raise_poison(comm_id)
+        else:
+            self.mailbox.raise_abort(comm_id, seq)
+
     def abort(self, peers, comm_id, seq, exc):
         """Tell ``peers`` (global ranks) that collective ``seq`` failed here, and why."""
         reason = str(exc).encode("utf-8")[: frame.MAX_ABORT_BYTES]
         lost = getattr(exc, "rank", None)
-        sig = ABORT_SIG.pack(abort_code(exc), NO_RANK if lost is None else lost)
+        cause = getattr(exc, "cause", None)
+        cause = TIMEOUT_CAUSES.index(cause) if cause in TIMEOUT_CAUSES else 0
+        sig = ABORT_SIG.pack(abort_code(exc), NO_RANK if lost is None else lost, cause)
         key = frame.Key(comm_id, 0, seq, 0, 0)
         for dst in peers:
             if dst != self.rank:

@@ -13,12 +13,13 @@ import logging
 import struct
 from collections import defaultdict
 
-from ..errors import CollectiveMismatch, CommError, CommTimeout, PeerLost, SignatureMismatch
+from ..errors import TIMEOUT_CAUSES, CollectiveMismatch, CommError, CommTimeout, PeerLost, SignatureMismatch
 from .frame import Kind
 
 log = logging.getLogger(__name__)
 
-ABORT_SIG = struct.Struct("<BI11x")  # an abort's signature field: error class, lost rank
+# an abort's signature field: error class, the rank it blames, why (a timeout's cause)
+ABORT_SIG = struct.Struct("<BIB10x")
 NO_RANK = 0xFFFFFFFF
 # No rank finishes a collective before every rank has started it (broadcast and reduce
 # agree first), so an honest peer sends for at most the collective after the one running
@@ -58,7 +59,7 @@ class Mailbox:
             self.dropped += 1  # aborts concern collectives only
             return
         if header.kind == Kind.ABORT:
-            code, lost = ABORT_SIG.unpack(header.sig)
+            code, lost, cause = ABORT_SIG.unpack(header.sig)
             reason = bytes(payload).decode("utf-8", "replace")
             base = ABORT_CLASSES.get(code, CommError)
 
@@ -66,6 +67,8 @@ class Mailbox:
                 exc = base(message)
                 if lost != NO_RANK:
                     exc.rank = lost
+                if base is CommTimeout and cause < len(TIMEOUT_CAUSES):
+                    exc.cause = TIMEOUT_CAUSES[cause]
                 return exc
             if key.seq <= self._failed_upto.get(key.comm_id, -1):
                 # this rank failed that collective, or a later one: it has already told

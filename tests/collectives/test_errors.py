@@ -176,7 +176,7 @@ TIMEOUT = textwrap.dedent("""
         try:
             comm.all_reduce(x, algorithm="ring")
         except ringcomm.CommTimeout as exc:
-            print(f"after={time.monotonic() - t:.2f} blames={exc.rank} {exc}")
+            print(f"after={time.monotonic() - t:.2f} blames={exc.rank} cause={exc.cause!r} {exc}")
 """)
 
 
@@ -185,6 +185,7 @@ def test_deadline_names_collective_and_rank():
     results = spawn_job(TIMEOUT, 2, timeout=30)
     out = results[0][1]
     assert "all_reduce #" in out and "blames=1" in out and "never started" in out, results[0]
+    assert "cause='not started'" in out, results[0]
     assert 0.9 < float(out.split("after=")[1].split()[0]) < 3.0
 
 
@@ -199,7 +200,8 @@ HUNG = textwrap.dedent("""
     try:
         comm.all_reduce(x)
     except ringcomm.CommTimeout as exc:
-        print(f"after={time.monotonic() - t:.2f} blames={exc.rank} {exc}", flush=True)
+        print(f"after={time.monotonic() - t:.2f} blames={exc.rank} cause={exc.cause!r} remote={exc.remote} {exc}",
+              flush=True)
         t = time.monotonic()
         comm.close()
         print(f"closed={time.monotonic() - t:.2f}", flush=True)
@@ -221,6 +223,7 @@ def test_a_stopped_rank_is_named_by_every_survivor_and_close_is_quick():
             p.communicate()
     for rank, (out, err) in outs.items():
         assert "blames=2" in out and "rank 2 stopped answering" in out, f"rank {rank}: {out}\n{err}"
+        assert "cause='silent'" in out, out  # also where it came as another rank's abort
         assert float(out.split("after=")[1].split()[0]) < 2.0 + 1.5, out
         assert float(out.split("closed=")[1].split()[0]) < 2.5, out
 

@@ -418,6 +418,29 @@ def test_launcher_names_a_stopped_rank_and_ends_within_the_deadline(tmp_path):
     assert ended - stopped < 3 + 5, res.stderr
 
 
+BUSY = """
+import time, numpy as np, ringcomm
+comm = ringcomm.init()
+x = np.ones(1000)
+comm.all_reduce(x)
+if comm.rank == 1:
+    time.sleep(60)  # alive and answering liveness checks, but not in the collective
+comm.all_reduce(x)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_launcher_names_a_rank_that_never_started_the_collective(tmp_path):
+    """Rank 1 is busy elsewhere (its communication thread answers): the victims' reports say
+    why (CommTimeout.cause), and the launcher names rank 1 as alive but absent, not hung."""
+    script = write_script(tmp_path, BUSY)
+    res = run_launcher("--nproc", 3, "--timeout", 2, script, timeout=50)
+    assert res.returncode == 1, res.stderr
+    assert "rank 1 is alive but never started the collective its peers waited in (named by rank(s) 0, 2)" \
+        in res.stderr, res.stderr
+    assert "stopped answering its peers" not in res.stderr
+
+
 LEAVES_A_SOCKET = """
 import os, signal, ringcomm
 comm = ringcomm.init()

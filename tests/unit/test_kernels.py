@@ -387,7 +387,7 @@ LR, BETAS, EPS = 1e-3, (0.9, 0.999), 1e-8
 
 def cpu_strategy(size, mixed, weight_decay, clip, master0):
     """A one-rank Replicated strategy with just what Strategy.update touches: the real
-    update, owned_grad32, master_pieces, write_back, LossScaler and Adam."""
+    update, owned_grad, master_pieces, write_back, LossScaler and Adam."""
     s = object.__new__(Replicated)
     s.mixed, s.rank = mixed, 0
     s.meta = types.SimpleNamespace(all_reduce=lambda x: x)  # one rank: the sum is itself
@@ -601,9 +601,13 @@ def test_sources_ship_beside_the_dispatcher():
 def test_an_installed_wheel_carries_the_sources(tmp_path):
     """The wheel setup.cfg builds holds every .cu source, the header and the README as package
     data of ringcomm.kernels: no file-path search is needed to find them."""
-    root = KERNEL_DIR.parents[1]
+    root, src = KERNEL_DIR.parents[1], tmp_path / "src"  # a copy: the build leaves files behind
+    src.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    shutil.copytree(root / "ringcomm", src / "ringcomm", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(root)], check=True, capture_output=True, timeout=120)
+                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, timeout=120)
     wheel, = tmp_path.glob("ringcomm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in kernels.SOURCES:

@@ -22,7 +22,7 @@ def data(src, key, payload=b"", sig=SIG_A):
 
 
 def abort(src, comm_id, seq, code, reason=b"it broke", lost=NO_RANK):
-    sig = ABORT_SIG.pack(code, lost)
+    sig = ABORT_SIG.pack(code, lost, 0)
     return Header(Kind.ABORT, src, Key(comm_id, 0, seq, 0, 0), len(reason), sig), reason
 
 
@@ -136,7 +136,7 @@ def test_abort_raises_mapped_class_remotely(code, cls):
 
 def test_abort_signature_layout():
     assert ABORT_SIG.size == 16
-    assert ABORT_SIG.pack(3, 7) == bytes([3, 7, 0, 0, 0]) + bytes(11)
+    assert ABORT_SIG.pack(3, 7, 1) == bytes([3, 7, 0, 0, 0, 1]) + bytes(10)
 
 
 def test_abort_carries_lost_rank():
@@ -310,7 +310,7 @@ def test_transport_abort_reaches_waiting_peer():
     hub = LocalHub(3)
     t0, t1, t2 = (hub.transport(r) for r in range(3))
     t2.abort([0, 1, 2], 0, 6, PeerLost("rank 1 went away", rank=1))
-    assert all(ABORT_SIG.unpack(raw_sig) == (3, 1) for raw_sig in (
+    assert all(ABORT_SIG.unpack(raw_sig) == (3, 1, 0) for raw_sig in (
         t0.hub.queues[0].queue[0][0][40:], t1.hub.queues[1].queue[0][0][40:]))
     assert [(src, dst, kind) for src, dst, _, _, kind in hub.log] == [
         (2, 0, Kind.ABORT), (2, 1, Kind.ABORT)]

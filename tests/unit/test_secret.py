@@ -73,10 +73,13 @@ def test_a_file_left_by_a_dead_rank_is_not_trusted():
     os.unlink(path)
 
 
-def test_another_launch_on_the_same_port_does_not_share_it():
-    value, path = secret.resolve(job(), {})
+@pytest.mark.parametrize("other", [{"TORCHELASTIC_RESTART_COUNT": "1"}, {"RINGCOMM_RESTART_COUNT": "2"},
+                                   {"RINGCOMM_JOB_ID": "another"}])
+def test_another_launch_on_the_same_port_does_not_share_it(other):
+    """Another restart round or another job name on the same port and launcher: another file."""
+    value, path = secret.resolve(job(job=env.job_id({})), {})
     with pytest.raises(CommTimeout):
-        secret.resolve(job(rank=1, local_rank=1), {"TORCHELASTIC_RESTART_COUNT": "1"})
+        secret.resolve(job(rank=1, local_rank=1, job=env.job_id(other)), other)
     os.unlink(path)
 
 
