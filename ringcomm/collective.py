@@ -15,6 +15,12 @@ policy of a collective lives, once for every verb:
 4. on failure, tell every other rank why (an ABORT), describing a signature mismatch in
    words; in every case retire the sequence number so late messages for it are dropped.
 
+Another rank's ABORT reaches a call as an :class:`~ringcomm.transport.mailbox.AbortNotice`
+(see :func:`error_for`): an abort of this very collective is raised as the error it reports,
+marked ``remote`` so that it is not sent round again; an abort of a collective that already
+ended here (this rank only sent in it) fails this call instead, and this rank tells the
+others, so no rank goes on as if nothing had happened.
+
 Point-to-point calls (space 1) skip what only collectives need (poison, aborts, retirement):
 they are numbered per peer and tag, not in the communicator's collective order.
 """
@@ -23,8 +29,9 @@ from dataclasses import dataclass
 
 from . import signature
 from .engine import Deferred
-from .errors import CollectiveMismatch, SignatureMismatch
+from .errors import CollectiveMismatch, CommTimeout, SignatureMismatch
 from .link import Link
+from .transport.mailbox import AbortNotice
 
 
 def describe_mismatch(what, me, exc):
@@ -32,6 +39,21 @@ def describe_mismatch(what, me, exc):
     ``me``: both sides in words."""
     return CollectiveMismatch(f"{what}: rank {me} called {signature.describe(exc.ours)} "
                               f"but rank {exc.src} called {signature.describe(exc.theirs)}")
+
+
+def error_for(notice, seq):
+    """The error collective ``seq`` raises for another rank's abort ``notice``."""
+    if notice.seq == seq:
+        exc = notice.kind(f"rank {notice.src} aborted: {notice.reason}")
+        exc.remote = True
+    else:
+        exc = notice.kind(f"collective #{notice.seq} on this communicator failed on rank "
+                          f"{notice.src}: {notice.reason}")
+    if notice.rank is not None:
+        exc.rank = notice.rank
+    if isinstance(exc, CommTimeout):
+        exc.cause = notice.cause
+    return exc
 
 
 @dataclass
@@ -72,9 +94,13 @@ class Call:
             error = describe_mismatch(self.what, comm.ranks[comm.rank], exc)
             self._abort(transport, error)
             raise error from None
+        except AbortNotice as notice:
+            error = error_for(notice, seq)
+            if not error.remote:
+                self._abort(transport, error)
+            raise error from None
         except Exception as exc:
-            if not getattr(exc, "remote", False):
-                self._abort(transport, exc)
+            self._abort(transport, exc)
             raise
         finally:
             if space == 0:

@@ -96,8 +96,6 @@ class Link:
         try:
             return get(src, key, self.sig, self.deadline, self.what)
         except CommTimeout as exc:
-            if exc.remote:  # another rank's verdict, already blamed there
-                raise
             raise self._blame(exc, src) from None
 
     def _blame(self, timeout, src):

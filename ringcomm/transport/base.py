@@ -184,13 +184,13 @@ class Transport(ABC):
 
     def raise_news(self, comm_id, seq=None):
         """Let arrived messages in, then raise what other ranks reported about communicator
-        ``comm_id``: without ``seq``, the failure of a collective this rank had already
-        finished (it fails the next one); with ``seq``, an abort of collective ``seq``."""
+        ``comm_id`` (an :class:`~.mailbox.AbortNotice`): without ``seq``, an abort of a
+        collective that had already ended here; with ``seq``, an abort of collective ``seq``."""
         self._pump(0)
         if seq is None:
-            self.mailbox.raise_poison(comm_id)
+            self.mailbox.raise_late(comm_id)
         else:
-            self.mailbox.raise_abort(comm_id, seq)
+            self.mailbox.raise_notice(comm_id, seq)
 
     def abort(self, peers, comm_id, seq, exc):
         """Tell ``peers`` (global ranks) that collective ``seq`` failed here, and why."""

@@ -3,11 +3,15 @@
 Messages from different peers arrive interleaved on one socket; the mailbox keeps each one
 under its full identity (src, comm, space, seq, step, segment) until the algorithm asks for
 exactly that one. It also remembers, per collective, the signature each peer announced, so a
-rank that waits for one peer learns of a mismatch sent by any other, and the abort reasons
-other ranks sent.
+rank that waits for one peer learns of a mismatch sent by any other, and the ABORTs other
+ranks sent, as :class:`AbortNotice`: filed under their collective while it is still open
+here, or as *late* news about a communicator when that collective already ended here. A wait
+on the communicator raises the notice as it came; what it means to the caller (which error,
+in which words, whether to tell the other ranks) is decided by :mod:`ringcomm.collective`.
 
 A collective that finished is *retired*: late messages for it (from a collective that failed
-half-way) are dropped, never delivered to a later collective.
+half-way) are dropped, never delivered to a later collective; so are ABORTs of a collective
+that failed here too (this rank has reported a failure already).
 """
 import logging
 import struct
@@ -37,6 +41,17 @@ def abort_code(exc):
     return 4
 
 
+class AbortNotice(CommError):
+    """Rank ``src``'s ABORT of collective ``seq`` of communicator ``comm_id``, as it came: the
+    class of its error (``kind``), the rank it blames (``rank``, or None), why (``cause``, for
+    a timeout) and its message (``reason``)."""
+
+    def __init__(self, src, comm_id, seq, kind, rank, cause, reason):
+        super().__init__(f"rank {src} aborted collective #{seq}: {reason}")
+        self.src, self.comm_id, self.seq = src, comm_id, seq
+        self.kind, self.rank, self.cause, self.reason = kind, rank, cause, reason
+
+
 class Mailbox:
     def __init__(self, window=None, max_lead=None):
         self.window = window  # point-to-point bytes a sender may leave unreceived here
@@ -46,9 +61,9 @@ class Mailbox:
         self._too_early = {}                  # (comm, seq) -> rank whose data for it was refused
         self._messages = {}
         self._signatures = defaultdict(dict)  # (comm, seq) -> {src: sig}
-        self._aborts = {}                     # (comm, seq) -> exception to raise
+        self._notices = {}                    # (comm, seq) -> AbortNotice of an open collective
+        self._late = {}                       # comm -> AbortNotice of a collective ended here
         self._retired = {}                    # comm -> highest retired seq
-        self._poison = {}                     # comm -> error for its next collective
         self._failed_upto = {}                # comm -> highest seq that failed here
         self.dropped = 0
 
@@ -60,31 +75,16 @@ class Mailbox:
             return
         if header.kind == Kind.ABORT:
             code, lost, cause = ABORT_SIG.unpack(header.sig)
-            reason = bytes(payload).decode("utf-8", "replace")
-            base = ABORT_CLASSES.get(code, CommError)
-
-            def cls(message):
-                exc = base(message)
-                if lost != NO_RANK:
-                    exc.rank = lost
-                if base is CommTimeout and cause < len(TIMEOUT_CAUSES):
-                    exc.cause = TIMEOUT_CAUSES[cause]
-                return exc
+            notice = AbortNotice(header.src, key.comm_id, key.seq, ABORT_CLASSES.get(code, CommError),
+                                 None if lost == NO_RANK else lost,
+                                 TIMEOUT_CAUSES[cause] if cause < len(TIMEOUT_CAUSES) else None,
+                                 bytes(payload).decode("utf-8", "replace"))
             if key.seq <= self._failed_upto.get(key.comm_id, -1):
-                # this rank failed that collective, or a later one: it has already told
-                # its caller that something went wrong, and poisoning the next collective
-                # would fail it on every rank a second time
-                return
+                return  # this rank failed that collective, or a later one: it has told its caller
             if key.seq <= self._retired.get(key.comm_id, -1):
-                # this rank already finished that collective without noticing (it only
-                # sent); its next collective on the communicator fails instead, and is
-                # itself aborted on every rank, so no rank goes on as if nothing happened
-                self._poison[key.comm_id] = cls(
-                    f"collective #{key.seq} on this communicator failed on rank {header.src}: {reason}")
-                return
-            exc = cls(f"rank {header.src} aborted: {reason}")
-            exc.remote = True
-            self._aborts[(key.comm_id, key.seq)] = exc
+                self._late[key.comm_id] = notice
+            else:
+                self._notices.setdefault((key.comm_id, key.seq), notice)
             return
         retired = self._retired.get(key.comm_id, -1) if key.space == 0 else None
         if retired is not None and key.seq <= retired:
@@ -120,32 +120,32 @@ class Mailbox:
         if key.space == 0:
             self._signatures[(key.comm_id, key.seq)].setdefault(header.src, header.sig)
 
-    def raise_poison(self, comm_id):
-        """Raise the error left for ``comm_id`` by an abort of a collective it finished."""
-        if comm_id in self._poison:
-            raise self._poison.pop(comm_id)
+    def raise_late(self, comm_id):
+        """Raise (once) the notice of an abort of a collective of ``comm_id`` that had already
+        ended here."""
+        if comm_id in self._late:
+            raise self._late.pop(comm_id)
 
-    def raise_abort(self, comm_id, seq):
-        """Raise the abort another rank sent for collective ``seq``, if one has arrived."""
-        abort = self._aborts.get((comm_id, seq))
-        if abort is not None:
-            raise abort
+    def raise_notice(self, comm_id, seq):
+        """Raise the notice of an abort of collective ``seq``, if one has arrived."""
+        notice = self._notices.get((comm_id, seq))
+        if notice is not None:
+            raise notice
 
     def take(self, src, key, sig):
         """The payload of message ``key`` from ``src``, or ``None`` if it has not arrived.
 
-        Raises the abort another rank sent for this collective, or :class:`SignatureMismatch`
-        when any peer announced a different signature for it.
+        Raises an :class:`AbortNotice` another rank sent for this collective or for one that
+        ended here, or :class:`SignatureMismatch` when any peer announced a different
+        signature for it.
         """
         if key.space == 0:
-            self.raise_poison(key.comm_id)
+            self.raise_late(key.comm_id)
             early = self._too_early.get((key.comm_id, key.seq)) if self._too_early else None
             if early is not None:
                 raise CommError(f"rank {early} sent data for this collective while this rank was "
                                 f"more than one collective behind; it was refused")
-            abort = self._aborts.get((key.comm_id, key.seq))
-            if abort is not None:
-                raise abort
+            self.raise_notice(key.comm_id, key.seq)
             for peer, theirs in self._signatures.get((key.comm_id, key.seq), {}).items():
                 if theirs != sig:
                     raise SignatureMismatch(peer, theirs, sig)
@@ -171,7 +171,7 @@ class Mailbox:
         if failed:
             self._failed_upto[comm_id] = max(seq, self._failed_upto.get(comm_id, -1))
         self._signatures.pop((comm_id, seq), None)
-        self._aborts.pop((comm_id, seq), None)
+        self._notices.pop((comm_id, seq), None)
         if self._too_early:
             self._too_early = {k: v for k, v in self._too_early.items() if k[0] != comm_id or k[1] > seq}
         stale = [i for i in self._messages if i[1] == comm_id and i[2] == 0 and i[3] <= seq]

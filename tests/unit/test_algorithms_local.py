@@ -11,11 +11,13 @@ import pytest
 from ringcomm import signature
 from ringcomm.algorithms import ps, rd, ring
 from ringcomm.algorithms.chunks import chunk_bounds, segment_table, segments
+from ringcomm.collective import error_for
 from ringcomm.errors import CollectiveMismatch, CommTimeout, SignatureMismatch
 from ringcomm.link import Link, Stats
 from ringcomm.ops import parse_op
 from ringcomm.transport.frame import Kind
 from ringcomm.transport.local import LocalHub
+from ringcomm.transport.mailbox import AbortNotice
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -576,10 +578,10 @@ def test_remote_abort_interrupts_a_running_collective():
         ring.all_reduce(link, np.ones(50, np.float32), op)
 
     run = run_ranks(n, body, timeout=10.0)
-    for r in (0, 1):
+    for r in (0, 1):  # the wait ends with the notice; ringcomm.collective words it for the caller
         exc = run.errors[r]
-        assert isinstance(exc, CommTimeout) and exc.remote, exc
-        assert "rank 2 gave up" in str(exc)
+        assert isinstance(exc, AbortNotice) and exc.kind is CommTimeout, exc
+        assert exc.reason == "rank 2 gave up" and exc.src == 2
     assert run.elapsed < 5
 
 
@@ -591,6 +593,9 @@ def test_poisoned_rank_fails_its_next_collective_even_if_it_only_sends():
     t0.retire(0, 0)  # rank 0 finished collective #0 (it only sent)
     t1.abort([0, 1], 0, 0, CommTimeout("rank 1 timed out in #0"))
     t0.pump(1.0)     # the late abort is now in rank 0's mailbox
-    with pytest.raises(CommTimeout, match="collective #0 on this communicator failed on rank 1"):
-        t0.mailbox.raise_poison(0)
-    t0.mailbox.raise_poison(0)  # once only
+    with pytest.raises(AbortNotice) as info:
+        t0.raise_news(0)
+    exc = error_for(info.value, 1)
+    assert isinstance(exc, CommTimeout) and not exc.remote
+    assert str(exc) == "collective #0 on this communicator failed on rank 1: rank 1 timed out in #0"
+    t0.raise_news(0)  # once only

@@ -9,7 +9,8 @@ from ringcomm.errors import (CollectiveMismatch, CommError, CommTimeout, FrameEr
                              SignatureMismatch)
 from ringcomm.transport.frame import Header, Key, Kind
 from ringcomm.transport.local import LocalHub
-from ringcomm.transport.mailbox import ABORT_CLASSES, ABORT_SIG, NO_RANK, Mailbox, abort_code
+from ringcomm.collective import error_for
+from ringcomm.transport.mailbox import ABORT_CLASSES, ABORT_SIG, NO_RANK, AbortNotice, Mailbox, abort_code
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,8 +22,8 @@ def data(src, key, payload=b"", sig=SIG_A):
     return Header(Kind.DATA, src, key, len(payload), sig), payload
 
 
-def abort(src, comm_id, seq, code, reason=b"it broke", lost=NO_RANK):
-    sig = ABORT_SIG.pack(code, lost, 0)
+def abort(src, comm_id, seq, code, reason=b"it broke", lost=NO_RANK, cause=0):
+    sig = ABORT_SIG.pack(code, lost, cause)
     return Header(Kind.ABORT, src, Key(comm_id, 0, seq, 0, 0), len(reason), sig), reason
 
 
@@ -122,16 +123,26 @@ def test_point_to_point_checks_only_its_own_message():
 # -- aborts --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("code, cls", sorted(ABORT_CLASSES.items()) + [(0, CommError), (99, CommError)])
-def test_abort_raises_mapped_class_remotely(code, cls):
+def test_abort_interrupts_every_wait_of_its_collective_with_the_notice_as_it_came(code, cls):
     box = Mailbox()
     put(box, abort(3, comm_id=2, seq=8, code=code, reason="died \u2620".encode()))
     for key in (Key(2, 0, 8, 0, 0), Key(2, 0, 8, 5, 7)):
-        with pytest.raises(CommError) as info:
+        with pytest.raises(AbortNotice) as info:
             box.take(1, key, SIG_A)
-        assert type(info.value) is cls
-        assert info.value.remote is True
-        assert "rank 3" in str(info.value)
-        assert "died \u2620" in str(info.value)
+        notice = info.value
+        assert (notice.src, notice.comm_id, notice.seq, notice.kind) == (3, 2, 8, cls)
+        assert notice.reason == "died \u2620" and notice.rank is None and notice.cause is None
+
+
+@pytest.mark.parametrize("code, cls", sorted(ABORT_CLASSES.items()) + [(99, CommError)])
+def test_the_collective_raises_an_abort_of_itself_as_the_remote_error(code, cls):
+    box = Mailbox()
+    put(box, abort(3, comm_id=2, seq=8, code=code, reason="died \u2620".encode()))
+    with pytest.raises(AbortNotice) as info:
+        box.take(1, Key(2, 0, 8, 0, 0), SIG_A)
+    exc = error_for(info.value, 8)
+    assert type(exc) is cls and exc.remote is True
+    assert str(exc) == "rank 3 aborted: died \u2620"
 
 
 def test_abort_signature_layout():
@@ -142,17 +153,28 @@ def test_abort_signature_layout():
 def test_abort_carries_lost_rank():
     box = Mailbox()
     put(box, abort(1, 0, 2, code=3, lost=4))
-    with pytest.raises(PeerLost) as info:
+    with pytest.raises(AbortNotice) as info:
         box.take(1, Key(0, 0, 2, 0, 0), SIG_A)
-    assert info.value.rank == 4 and info.value.remote
+    exc = error_for(info.value, 2)
+    assert isinstance(exc, PeerLost) and exc.rank == 4 and exc.remote
 
 
 def test_abort_without_lost_rank():
     box = Mailbox()
     put(box, abort(1, 0, 2, code=3))
-    with pytest.raises(PeerLost) as info:
+    with pytest.raises(AbortNotice) as info:
         box.take(1, Key(0, 0, 2, 0, 0), SIG_A)
-    assert info.value.rank is None
+    assert info.value.rank is None and error_for(info.value, 2).rank is None
+
+
+@pytest.mark.parametrize("cause, name", [(1, "silent"), (2, "not started"), (0, None), (9, None)])
+def test_abort_carries_a_timeouts_cause(cause, name):
+    box = Mailbox()
+    put(box, abort(1, 0, 2, code=2, lost=3, cause=cause))
+    with pytest.raises(AbortNotice) as info:
+        box.take(1, Key(0, 0, 2, 0, 0), SIG_A)
+    exc = error_for(info.value, 2)
+    assert isinstance(exc, CommTimeout) and exc.cause == name and exc.rank == 3
 
 
 def test_abort_mapping_is_the_documented_one():
@@ -166,7 +188,7 @@ def test_abort_precedes_pending_message_and_does_not_touch_others():
     put(box, data(1, Key(0, 1, 8, 0, 0), b"p2p"))
     put(box, data(1, Key(1, 0, 8, 0, 0), b"other comm"))
     put(box, abort(1, comm_id=0, seq=8, code=2))
-    with pytest.raises(CommTimeout):
+    with pytest.raises(AbortNotice):
         box.take(1, Key(0, 0, 8, 0, 0), SIG_A)
     assert box.take(1, Key(0, 0, 9, 0, 0), SIG_A) == b"next"
     assert box.take(1, Key(0, 1, 8, 0, 0), SIG_A) == b"p2p"
@@ -177,9 +199,9 @@ def test_abort_precedes_signature_mismatch():
     box = Mailbox()
     put(box, data(2, Key(0, 0, 1, 0, 0), sig=SIG_B))
     put(box, abort(2, 0, 1, code=3))
-    with pytest.raises(PeerLost) as info:
+    with pytest.raises(AbortNotice) as info:
         box.take(1, Key(0, 0, 1, 0, 0), SIG_A)
-    assert info.value.remote
+    assert info.value.kind is PeerLost
 
 
 def test_local_errors_are_not_remote():
@@ -265,11 +287,12 @@ def test_late_abort_for_retired_seq_poisons_next_collective_once():
     # point-to-point and other communicators are not affected
     assert box.take(1, Key(0, 1, 4, 0, 0), SIG_A) == b"p2p"
     assert box.take(1, Key(1, 0, 4, 0, 0), SIG_A) == b"other comm"
-    with pytest.raises(PeerLost) as info:
+    with pytest.raises(AbortNotice) as info:
         box.take(1, Key(0, 0, 4, 0, 0), SIG_A)
-    exc = info.value
-    assert exc.rank == 1
-    assert "#3" in str(exc) and "rank 2" in str(exc) and "rank 1 died" in str(exc)
+    assert info.value.seq == 3
+    exc = error_for(info.value, 4)
+    assert isinstance(exc, PeerLost) and exc.rank == 1
+    assert str(exc) == "collective #3 on this communicator failed on rank 2: rank 1 died"
     assert exc.remote is False  # this rank must abort its own collective in turn
     # raised once: the collective after that proceeds
     assert box.take(1, Key(0, 0, 4, 0, 0), SIG_A) == b"next"
@@ -315,11 +338,12 @@ def test_transport_abort_reaches_waiting_peer():
     assert [(src, dst, kind) for src, dst, _, _, kind in hub.log] == [
         (2, 0, Kind.ABORT), (2, 1, Kind.ABORT)]
     start = time.monotonic()
-    with pytest.raises(PeerLost) as info:
+    with pytest.raises(AbortNotice) as info:
         t0.recv(1, Key(0, 0, 6, 0, 0), SIG_A, time.monotonic() + 5, "test")
     assert time.monotonic() - start < 2
-    assert info.value.remote and "went away" in str(info.value)
-    assert info.value.rank == 1
+    notice = info.value
+    assert (notice.src, notice.seq, notice.kind, notice.rank) == (2, 6, PeerLost, 1)
+    assert notice.reason == "rank 1 went away"
 
 
 def test_transport_abort_reason_is_truncated():
