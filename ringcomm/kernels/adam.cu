@@ -10,7 +10,7 @@
 //                       beta1, one_minus_beta1, beta2, one_minus_beta2,
 //                       step_size, bias_correction2_sqrt, eps, n)
 //       does nothing when *skip != 0 (an overflow: the step is skipped, nothing changes);
-//       otherwise, per element, in exactly the order of ringcomm.train.strategy._update and
+//       otherwise, per element, in exactly the order of ringcomm.train.strategy.Strategy.update and
 //       ringcomm.train.optim.Adam.update (torch.optim.Adam, L2 weight decay):
 //           g  = grad / loss_scale                      unscale
 //           g  = g * clip_coef                          global-norm clipping (1 = none)

@@ -6,8 +6,8 @@
 // <in>_<acc> in {f16_f32, f16_f64, f32_f32, f32_f64, f64_f64}. The quotient is taken in the
 // input's arithmetic type (fp32 for fp16/fp32, fp64 for fp64) exactly as the CPU path unscales
 // (`grad /= scale`), then widened to the accumulator type and squared there; for fp32 input
-// and fp64 accumulation each square is exact, as in the CPU path's
-// np.dot(grad.astype(float64), grad). divisor = 1 for an already unscaled gradient.
+// and fp64 accumulation each square is exact, as in the reference's (the CPU path's)
+// np.dot(u.astype(float64), u). divisor = 1 for an already unscaled gradient.
 //
 // Block b visits i = (b + k * gridDim.x) * blockDim.x + t (the grid-stride loop), so block b
 // covers every element whose (i / blockDim.x) % gridDim.x == b. partial has gridDim.x

@@ -5,9 +5,10 @@ the arithmetic of the CPU code it stands for, bit for bit:
 
 - :func:`reduce`, :func:`scale`, :func:`divide`, :func:`finalize` -- ``reduce.cu``;
   ``ringcomm.ops.reduce_into`` / ``ringcomm.ops.finalize``.
-- :func:`adam_step`, :func:`grad_overflow` -- ``adam.cu``; ``Strategy._update`` (unscale, overflow check, clipping)
-  followed by ``ringcomm.train.optim.Adam.update`` (torch.optim.Adam's order of operations)
-  and ``write_back`` (the fp16 copy of the master).
+- :func:`adam_step`, :func:`grad_overflow` -- ``adam.cu``; ``ringcomm.train.optim.Adam.update``
+  calls it (torch.optim.Adam's order of operations); with a loss scale, clipping and
+  ``param_out`` it also does what ``Strategy.update`` does around it (unscale, overflow
+  check, clipping, the fp16 copy of the master).
 - :func:`scale_cast`, :func:`unscale`, :func:`found_nonfinite` -- ``cast.cu``.
 - :func:`sq_norm_partial`, :func:`sq_norm` -- ``norm.cu``; the squared norm the strategy
   computes for clipping.
@@ -188,7 +189,7 @@ def sq_norm_partial(x, loss_scale=1.0, num_blocks=None, threads=256, acc_dtype=n
 
 
 def sq_norm(x, loss_scale=1.0):
-    """The squared L2 norm of ``x / loss_scale`` exactly as the strategy computes it for
-    clipping: ``float(np.dot(grad.astype(np.float64), grad))`` on the unscaled fp32 grad."""
+    """The squared L2 norm of ``x / loss_scale`` (the strategy's, for clipping):
+    ``float(np.dot(u.astype(np.float64), u))`` with ``u`` the unscaled fp32 (fp64) values."""
     u = _unscaled(np.ravel(x), loss_scale)
     return float(np.dot(u.astype(np.float64), u))

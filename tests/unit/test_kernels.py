@@ -280,9 +280,12 @@ def operand_pairs(draw, dtypes=ref.REDUCE_DTYPES):
 @settings(max_examples=300, deadline=None)
 @given(operand_pairs(), st.sampled_from(OPS), st.booleans())
 def test_reduce_reference_is_ops_reduce_into(pair, op, as_member):
+    """Both share one op table: each is checked against numpy's ufunc written out here."""
     a, b = pair
+    ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[op]
     with np.errstate(all="ignore"):
-        expected = ops.reduce_into(ReduceOp(op), a.copy(), b)
+        expected = ufunc(a, b)
+        assert_same_bits(ops.reduce_into(ReduceOp(op), a.copy(), b), expected)
         got = a.copy()
         assert ref.reduce(ReduceOp(op) if as_member else op.upper(), got, b) is got
     assert_same_bits(got, expected)
@@ -385,9 +388,30 @@ def test_unknown_op():
 LR, BETAS, EPS = 1e-3, (0.9, 0.999), 1e-8
 
 
+class TorchOrderAdam(optim.Adam):
+    """Adam written out with numpy in torch.optim.Adam's order of operations: an oracle
+    independent of ringcomm.kernels (which optim.Adam calls)."""
+
+    def update(self, param, grad, offset=0):
+        b1, b2 = self.betas
+        m, v = self.m[offset:offset + param.size], self.v[offset:offset + param.size]
+        grad = grad.copy()
+        if self.weight_decay:
+            grad += self.weight_decay * param
+        m *= b1
+        m += (1 - b1) * grad
+        v *= b2
+        v += (1 - b2) * grad * grad
+        denom = np.sqrt(v)
+        denom /= math.sqrt(1 - b2 ** self.t)
+        denom += self.eps
+        param -= self.lr / (1 - b1 ** self.t) * (m / denom)
+
+
 def cpu_strategy(size, mixed, weight_decay, clip, master0):
     """A one-rank Replicated strategy with just what Strategy.update touches: the real
-    update, owned_grad, master_pieces, write_back, LossScaler and Adam."""
+    update, owned_grad, master_pieces, write_back and LossScaler, and Adam in torch's order
+    written out independently of the kernels."""
     s = object.__new__(Replicated)
     s.mixed, s.rank = mixed, 0
     s.meta = types.SimpleNamespace(all_reduce=lambda x: x)  # one rank: the sum is itself
@@ -396,7 +420,7 @@ def cpu_strategy(size, mixed, weight_decay, clip, master0):
     s.scaler = optim.LossScaler(enabled=mixed)
     s.layout = types.SimpleNamespace(total=size)
     s.flat_grads = np.zeros(size, np.float16 if mixed else np.float32)
-    s.optimizer = optim.Adam(size, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+    s.optimizer = TorchOrderAdam(size, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay)
     if mixed:
         s.master = master0.copy()
         s.flat_params = master0.astype(np.float16)
