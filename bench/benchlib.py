@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from ringcomm.units import human, parse_size  # noqa: F401 - the benchmarks import them from here
+from ringcomm.units import parse_size
 
 PERIOD = 13  # inputs repeat with this period: see input_for
 FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,

@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 import benchlib as bl
+from ringcomm.units import human, parse_size
 
 SUBNET, FIRST_HOST, PORT = "10.77.0", 10, 29611
 PREFIX = "rcbench-"
@@ -243,7 +244,7 @@ def predicted(algo, n, size, bandwidth):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", default="2,3,4,6,8")
-    p.add_argument("--size", type=bl.parse_size, default=8 << 20)
+    p.add_argument("--size", type=parse_size, default=8 << 20)
     p.add_argument("--rate", default="1gbit", help="tc rate of every rank's link, each way")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -288,7 +289,7 @@ def main(argv=None):
         model = bl.parse_rate(args.rate) / 8 * PAYLOAD_SHARE
         print(f"# emulated cluster: {sizes[-1]} namespaces on a bridge, {args.rate} per rank link each "
               f"way; one TCP stream measured {bandwidth / 1e6:.1f} MB/s (model {model / 1e6:.1f} MB/s)")
-        print(f"# all_reduce float32 sum of S = {bl.human(args.size)}; time = median of {args.iters} "
+        print(f"# all_reduce float32 sum of S = {human(args.size)}; time = median of {args.iters} "
               f"calls, slowest rank; predicted with B = {bandwidth / 1e6:.1f} MB/s measured")
         print(f"#{'N':>3} {'algorithm':>9} {'time(ms)':>10} {'predicted':>10} {'meas/pred':>9} "
               f"{'busbw':>7} {'rank0 sent':>11} {'formula':>11} {'#wrong':>6} {'ps/ring':>8}")

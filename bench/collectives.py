@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 import benchlib as bl
+from ringcomm.units import human, parse_size
 import ringcomm
 
 MIN_ITERS = 3
@@ -63,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     p.add_argument("--name", default="collectives_n{n}", help="output file name, {n} = world size")
     a = p.parse_args(argv)
-    a.sizes, a.traffic_size = bl.parse_sizes(a.sizes), bl.parse_size(a.traffic_size)
+    a.sizes, a.traffic_size = bl.parse_sizes(a.sizes), parse_size(a.traffic_size)
     a.collectives = [c for c in a.collectives.split(",") if c]
     a.algorithms = [x for x in a.algorithms.split(",") if x]
     a.dtypes = [np.dtype(d) for d in a.dtypes.split(",") if d]
@@ -223,7 +224,7 @@ def print_table(collective, n, algorithms, rows, iters_note):
 def print_traffic(n, rows):
     if not rows:
         return
-    print(f"\n# traffic: one float32 all_reduce of S = {bl.human(rows[0]['size_bytes'])}, {n} ranks; "
+    print(f"\n# traffic: one float32 all_reduce of S = {human(rows[0]['size_bytes'])}, {n} ranks; "
           f"stats() payload bytes vs formula\n# (ring 2(n-1)S/n per rank, total 2(n-1)S; "
           f"ps rank 0 (n-1)S, others S, total 2(n-1)S; rd log2(n)S per rank; each way)")
     print(f"#{'algorithm':>9} {'rank':>5} {'bytes_sent':>12} {'bytes_recv':>12} {'formula':>12} "
@@ -243,8 +244,8 @@ def main(argv=None):
     comm = ringcomm.init()
     n, r = comm.world_size, comm.rank
     if r == 0:
-        print(f"# ringcomm bench/collectives: {n} ranks, sizes {bl.human(args.sizes[0])}.."
-              f"{bl.human(args.sizes[-1])}, iters {args.iters} (>= {MIN_ITERS} within "
+        print(f"# ringcomm bench/collectives: {n} ranks, sizes {human(args.sizes[0])}.."
+              f"{human(args.sizes[-1])}, iters {args.iters} (>= {MIN_ITERS} within "
               f"{args.budget:g} s per cell), warmup {args.warmup}", flush=True)
     rows = []
     for collective in args.collectives:

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 import benchlib as bl
+from ringcomm.units import human
 import control
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -236,7 +237,7 @@ def evaluate_targets(rows, args):
         sign = ">=" if t["metric"] == "busbw" else "<="
         got = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
         met = {True: "yes", False: "NO", None: "n/a (peer missing, failed or not run)"}[t["met"]]
-        print(f" {t['world_size']:>2} {t['algorithm']:>9} {bl.human(t['size_bytes']):>8} {t['peer']:>8} "
+        print(f" {t['world_size']:>2} {t['algorithm']:>9} {human(t['size_bytes']):>8} {t['peer']:>8} "
               f"{t['metric']:>6} {got:>7} {sign}{t['bound']:>6}  {met}")
     return results
 

@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 
-import benchlib as bl  # noqa: E402
+from ringcomm.units import human, parse_size  # noqa: E402
 
 STYLE = {"ring": ("tab:blue", "o"), "ps": ("tab:red", "s"), "auto": ("tab:green", "^"),
          "rd": ("tab:purple", "v"), "ringcomm/ring": ("tab:blue", "o"),
@@ -51,7 +51,7 @@ def size_axis(ax, sizes):
     ax.set_xscale("log", base=2)
     ticks = [1 << k for k in range(0, 41, 2) if min(sizes) <= 1 << k <= max(sizes)] or sorted(set(sizes))
     ax.set_xticks(ticks)
-    ax.set_xticklabels([bl.human(t).replace(" ", "") for t in ticks], rotation=45, fontsize=7)
+    ax.set_xticklabels([human(t).replace(" ", "") for t in ticks], rotation=45, fontsize=7)
     ax.grid(True, which="major", alpha=0.3)
 
 
@@ -93,7 +93,7 @@ def plot_scaling(files, out, fixed):
             if r["collective"] == "all_reduce" and r["algorithm"] in ("ring", "ps") and r["size_bytes"] == fixed:
                 points[(r["algorithm"], data["world_size"])] = r["time_us"]
     if len({n for _, n in points}) < 2:
-        print(f"skip ring_vs_ps_time_vs_n.png: all_reduce at {bl.human(fixed)} measured for < 2 world sizes")
+        print(f"skip ring_vs_ps_time_vs_n.png: all_reduce at {human(fixed)} measured for < 2 world sizes")
         return
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for algo in ("ring", "ps"):
@@ -102,7 +102,7 @@ def plot_scaling(files, out, fixed):
         ax.plot(*zip(*pts), marker=marker, color=color, label=algo)
     ax.set_xlabel("world size N (processes on this host)")
     ax.set_ylabel("all_reduce time (ms)")
-    ax.set_title(f"all_reduce {bl.human(fixed)} float32: ring vs PS (loopback)")
+    ax.set_title(f"all_reduce {human(fixed)} float32: ring vs PS (loopback)")
     ax.set_xticks(sorted({n for _, n in points}))
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -150,7 +150,7 @@ def plot_cluster(data, out):
                 label=f"{algo} predicted")
     ax.set_xlabel("world size N (one network namespace per rank)")
     ax.set_ylabel("all_reduce time (ms)")
-    ax.set_title(f"all_reduce {bl.human(rows[0]['size_bytes'])}, {data['rate']} per rank link (tc)")
+    ax.set_title(f"all_reduce {human(rows[0]['size_bytes'])}, {data['rate']} per rank link (tc)")
     ax.set_xticks(sorted({r["world_size"] for r in rows}))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -160,7 +160,7 @@ def plot_cluster(data, out):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
-    p.add_argument("--fixed-size", type=bl.parse_size, default=4 << 20,
+    p.add_argument("--fixed-size", type=parse_size, default=4 << 20,
                    help="all_reduce size of the time-vs-N plot (default 4M)")
     args = p.parse_args(argv)
     found = load(args.out)

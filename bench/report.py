@@ -7,7 +7,7 @@ import glob
 import json
 import os
 
-from benchlib import human
+from ringcomm.units import human
 
 
 def t(us):

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import ringcomm
-from benchlib import human, parse_size
+from ringcomm.units import human, parse_size
 from ringcomm.algorithms import ring
 from ringcomm.transport import base, mailbox, shm, zmq_transport
 

@@ -79,8 +79,8 @@ class Communicator:
         >>> comm.all_reduce(x, op="sum")     # both: [3.]
         """
         flat = self._array(x, "x")
-        return self._collective("all_reduce", algorithm, x.nbytes, x, (flat,), {"op": parse_op(op, x.dtype)},
-                                x, async_op)
+        op = parse_op(op, x.dtype)
+        return self._collective("all_reduce", algorithm, x.nbytes, x, (flat, op), x, async_op, op=op)
 
     def reduce_scatter(self, out, x, op="sum", algorithm="auto", async_op=False):
         """``out`` gets the reduced slice ``[rank*out.size:(rank+1)*out.size]`` of flat ``x``
@@ -92,8 +92,8 @@ class Communicator:
         """
         flat_out, flat = self._array(out, "out"), self._array(x, "x", writable=False)
         check_pair(out, x, self.rank, x.size, self.world_size * out.size, "x.size", "world_size * out.size")
-        return self._collective("reduce_scatter", algorithm, x.nbytes, x, (flat_out, flat),
-                                {"op": parse_op(op, x.dtype)}, out, async_op)
+        op = parse_op(op, x.dtype)
+        return self._collective("reduce_scatter", algorithm, x.nbytes, x, (flat_out, flat, op), out, async_op, op=op)
 
     def all_gather(self, out, x, algorithm="auto", async_op=False):
         """``out`` gets every rank's ``x`` in rank order (``out.size == world_size * x.size``).
@@ -105,7 +105,7 @@ class Communicator:
         """
         flat_out, flat = self._array(out, "out"), self._array(x, "x", writable=False)
         check_pair(out, x, self.rank, out.size, self.world_size * x.size, "out.size", "world_size * x.size")
-        return self._collective("all_gather", algorithm, out.nbytes, x, (flat_out, flat), {}, out, async_op)
+        return self._collective("all_gather", algorithm, out.nbytes, x, (flat_out, flat), out, async_op)
 
     def broadcast(self, x, root=0, algorithm="auto", async_op=False):
         """In place: every rank's ``x`` becomes ``root``'s ``x``. Returns ``x``. A chain of
@@ -116,7 +116,7 @@ class Communicator:
         """
         flat = self._array(x, "x", writable=self.world_size > 1)
         check_rank(root, self.world_size, "root", self.name)
-        return self._collective("broadcast", algorithm, x.nbytes, x, (flat,), {"root": root}, x, async_op)
+        return self._collective("broadcast", algorithm, x.nbytes, x, (flat, root), x, async_op, root=root)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto", async_op=False):
         """``x`` on ``root`` becomes ``op`` over all ranks; ``x`` elsewhere is unchanged.
@@ -127,13 +127,13 @@ class Communicator:
         """
         flat = self._array(x, "x")
         check_rank(root, self.world_size, "root", self.name)
-        return self._collective("reduce", algorithm, x.nbytes, x, (flat,),
-                                {"root": root, "op": parse_op(op, x.dtype)}, x, async_op)
+        op = parse_op(op, x.dtype)
+        return self._collective("reduce", algorithm, x.nbytes, x, (flat, root, op), x, async_op, op=op, root=root)
 
     def barrier(self, algorithm="auto", async_op=False):
         """Returns once every rank of the group has entered. ``auto``/``rd``: dissemination,
         ceil(log2 n) rounds; ``ring``/``ps``: an empty all-reduce with that algorithm."""
-        return self._collective("barrier", algorithm, 0, _EMPTY, (), {}, None, async_op)
+        return self._collective("barrier", algorithm, 0, _EMPTY, (), None, async_op)
 
     # -- point-to-point ------------------------------------------------------------------
     def send(self, x, dst, tag=0, async_op=False):
@@ -232,24 +232,25 @@ class Communicator:
         if self._closed or self._engine.closed:
             raise CommError(f"{self.name}: communicator is closed")
 
-    def _collective(self, collective, algorithm, nbytes, x, buffers, params, result, async_op):
-        """Run ``collective`` on ``buffers`` with the schedule ``algorithm`` names (``auto``
-        picks by ``nbytes``); ``x`` is the array every rank signs for (dtype, element count)."""
+    def _collective(self, collective, algorithm, nbytes, x, args, result, async_op, op=None, root=None):
+        """Run the schedule ``algorithm`` names for ``collective`` (``auto`` picks by
+        ``nbytes``) as ``schedule(link, *args)``; ``x`` is the array every rank signs for
+        (dtype, element count), with ``op`` and ``root``."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         if algorithm == "auto":
             algorithm = auto_algorithm(collective, self.world_size, nbytes, self.local)
         run = schedule(algorithm, collective)
-        sig = signature.pack(collective, x.dtype, params.get("op"), algorithm, params.get("root", 0), x.size)
-        if "root" in params:
+        sig = signature.pack(collective, x.dtype, op, algorithm, root or 0, x.size)
+        if root is not None:
             # some ranks of a rooted collective only send, so a rank that disagrees on the
             # root could finish without noticing: agreeing first fails the call on every rank
             def body(link):
                 link.agree()
-                return run(link, *buffers, **params)
+                return run(link, *args)
         else:
             def body(link):
-                return run(link, *buffers, **params)
+                return run(link, *args)
         return self._submit(body, sig, x, result, async_op, collective, route=None)
 
     def _point_to_point(self, route, body, x, result, async_op):

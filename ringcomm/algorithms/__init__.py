@@ -7,11 +7,12 @@ views of the caller's buffers; they know nothing of sockets, threads or argument
 - :mod:`.rd`: recursive doubling for small all-reduces, the dissemination barrier.
 - :mod:`.choice`: which of them ``algorithm="auto"`` runs, and the all-reduce byte formulas.
 
-Every schedule has the same form, ``module.<collective>(link, *buffers, op=, root=)`` (only
-the parameters its collective has), and each module's ``__all__`` lists the collectives it
-runs, so a communicator finds one by name:
+Every schedule has the same form, ``module.<collective>(link, buffers..., root, op)`` (only
+the parameters its collective has, in that order), and each module's ``__all__`` lists the
+collectives it runs, so a communicator finds one by name:
 
->>> schedule("ring", "reduce_scatter")(link, out, x, op=ReduceOp.SUM)
+>>> schedule("ring", "reduce_scatter")(link, out, x, ReduceOp.SUM)
+>>> schedule("ps", "reduce")(link, x, 0, ReduceOp.MAX)          # root 0
 """
 from . import ps, rd, ring
 

@@ -175,5 +175,5 @@ class StepRunner:
             g = self.xp.ascontiguousarray(self._tied_grads.pop(p), dtype=np.float32)
             if group is not None:
                 group.all_reduce(g)
-            self.strategy.accumulate(p, g, True)
+            self.strategy.accumulate(p, g, first=True)
             self.strategy.grad_done(p)

@@ -138,7 +138,7 @@ def scan(root, check=True):
             manifest, reason = None, "" if present else "no manifest"
         if manifest is not None and manifest.get("step") != int(match.group(1)):
             reason = reason or f"manifest says step {manifest.get('step')}"
-        entries.append(Entry(int(match.group(1)), path, not reason, reason, manifest))
+        entries.append(Entry(int(match.group(1)), path, complete=not reason, reason=reason, manifest=manifest))
     return sorted(entries, key=lambda e: e.step)
 
 
@@ -154,7 +154,7 @@ def resolve(path):
         manifest, reason = verify(path)
         if reason:
             raise CheckpointError(f"{path}: incomplete checkpoint: {reason}")
-        return Entry(manifest["step"], path, True, "", manifest)
+        return Entry(manifest["step"], path, complete=True, manifest=manifest)
     entry = newest_complete(path)
     if entry is None:
         raise CheckpointError(f"{path}: no complete checkpoint")
@@ -208,9 +208,9 @@ def find_resumable(root):
         if not reason and manifest.get("step") != entry.step:
             reason = f"manifest says step {manifest.get('step')}"
         if not reason:
-            return Entry(entry.step, entry.path, True, "", manifest), damaged, unfinished
+            return Entry(entry.step, entry.path, complete=True, manifest=manifest), damaged, unfinished
         (unfinished if reason == "no manifest" else damaged).append(
-            Entry(entry.step, entry.path, False, reason, manifest))
+            Entry(entry.step, entry.path, complete=False, reason=reason, manifest=manifest))
     return None, damaged, unfinished
 
 

@@ -249,7 +249,7 @@ def restore(meta, strategy, cfg, root):
     else:
         failed = np.zeros(1, np.int64)
         try:
-            full = read_full(Entry(manifest["step"], path, True, "", manifest))
+            full = read_full(Entry(manifest["step"], path, complete=True, manifest=manifest))
             state, scaler, losses = state_from_full(full, strategy), full.scaler, full.losses
         except (CheckpointError, OSError, ValueError, KeyError) as e:
             failed[0], error = 1, e
