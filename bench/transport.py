@@ -23,7 +23,7 @@ import time
 import numpy as np
 import zmq
 
-from benchlib import parse_size
+from ringcomm.units import parse_size
 from ringcomm.transport.shm import SHM_DIR, InLanes, OutLane, lane_path, new_token
 
 SLOTS = 4

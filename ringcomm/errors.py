@@ -12,8 +12,9 @@ other ranks raises a :class:`CommError`:
 - :class:`CollectiveMismatch`: ranks called different collectives, or the same collective
   with different arguments; the message describes both sides.
 
-An error that another rank reported to this one (through an abort message) has
-``remote = True``; this rank does not forward it again.
+An error that another rank reported for the same collective (through an abort message) has
+``remote = True``; this rank does not forward it again. A report about a collective this rank
+had already finished fails its next collective with a fresh error, which it does forward.
 """
 
 

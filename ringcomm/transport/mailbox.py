@@ -82,7 +82,7 @@ class Mailbox:
             if key.seq <= self._failed_upto.get(key.comm_id, -1):
                 return  # this rank failed that collective, or a later one: it has told its caller
             if key.seq <= self._retired.get(key.comm_id, -1):
-                self._late[key.comm_id] = notice
+                self._late.setdefault(key.comm_id, notice)  # the first news, as for open ones
             else:
                 self._notices.setdefault((key.comm_id, key.seq), notice)
             return
@@ -170,6 +170,11 @@ class Mailbox:
         self._retired[comm_id] = max(seq, self._retired.get(comm_id, -1))
         if failed:
             self._failed_upto[comm_id] = max(seq, self._failed_upto.get(comm_id, -1))
+            late = self._late.get(comm_id)
+            if late is not None and late.seq <= seq:
+                # this failure has been reported on every rank already: news of an older
+                # collective must not fail the next one a second time
+                del self._late[comm_id]
         self._signatures.pop((comm_id, seq), None)
         self._notices.pop((comm_id, seq), None)
         if self._too_early:

@@ -318,6 +318,34 @@ def test_late_abort_for_an_older_collective_after_a_later_one_failed_here_is_ign
     assert box.take(1, Key(0, 0, 5, 0, 0), SIG_A) == b"next"
 
 
+def test_news_of_an_older_collective_is_dropped_when_a_later_one_fails_here_first():
+    """Collective 3 ended here; rank 2's abort of it arrived, but collective 4 failed here for
+    its own reason before any wait raised the news: 5 must not fail a second time."""
+    box = Mailbox()
+    box.retire(0, 3)
+    put(box, abort(2, 0, 3, code=3))
+    box.retire(0, 4, failed=True)
+    put(box, data(1, Key(0, 0, 5, 0, 0), b"next"))
+    assert box.take(1, Key(0, 0, 5, 0, 0), SIG_A) == b"next"
+
+
+def test_the_first_notice_is_kept():
+    box = Mailbox()
+    put(box, abort(1, 0, 6, code=2, reason=b"first"))
+    put(box, abort(2, 0, 6, code=3, reason=b"second"))
+    box.retire(0, 5)
+    with pytest.raises(AbortNotice) as info:
+        box.take(1, Key(0, 0, 6, 0, 0), SIG_A)
+    assert info.value.reason == "first"
+    box.retire(0, 6)
+    box.retire(0, 7)
+    put(box, abort(1, 0, 7, code=2, reason=b"late first"))
+    put(box, abort(2, 0, 6, code=3, reason=b"late second"))
+    with pytest.raises(AbortNotice) as info:
+        box.take(1, Key(0, 0, 8, 0, 0), SIG_A)
+    assert info.value.reason == "late first"
+
+
 def test_retire_is_monotonic():
     box = Mailbox()
     box.retire(0, 5)
