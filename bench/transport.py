@@ -12,9 +12,13 @@ all-reduce cannot beat ≈ 2 × 2 MiB / (this rate), plus the reductions.
 The same for a shared-memory lane (:mod:`ringcomm.transport.shm`, what ranks of one host
 use): the parent copies each segment into a slot and sends a notice over ZeroMQ, the child
 reduces out of the slot; the rate counts until the child has reduced the last segment. And
-the one-way latency of a small ZeroMQ message (half a ping-pong): every ring step pays it.
+one-way latencies (half a ping-pong, median): of a small ZeroMQ message (every ring step pays
+it today), of a message through the shared-memory channel
+(:mod:`ringcomm.transport.channel`), and the floor under both: two processes spinning on a
+counter in shared memory, each writing it when it sees the other's value.
 """
 import argparse
+import mmap
 import os
 import statistics
 import tempfile
@@ -24,6 +28,7 @@ import numpy as np
 import zmq
 
 from ringcomm.units import parse_size
+from ringcomm.transport.channel import Channel, default_spin
 from ringcomm.transport.shm import SHM_DIR, InLanes, OutLane, lane_path, new_token
 
 SLOTS = 4
@@ -137,6 +142,52 @@ def hop_latency(rounds=2000):
     return statistics.median(times)
 
 
+def flag_floor(rounds=20000):
+    """One-way time of a spin on a shared-memory counter between two processes, s: the
+    latency floor of any same-host handoff written in Python."""
+    mapping = mmap.mmap(-1, 128)
+    flag = np.frombuffer(mapping, np.uint64, 1)
+    pid = os.fork()
+    if pid == 0:
+        for i in range(1, 2 * rounds + 2, 2):
+            while flag[0] != i:
+                pass
+            flag[0] = i + 1
+        os._exit(0)
+    times = []
+    for i in range(1, 2 * rounds + 2, 2):
+        start = time.perf_counter()
+        flag[0] = i
+        while flag[0] != i + 1:
+            pass
+        times.append((time.perf_counter() - start) / 2)
+    os.waitpid(pid, 0)
+    return statistics.median(times[1:])
+
+
+def channel_latency(nbytes, rounds=5000):
+    """One-way time of an ``nbytes`` message through a pair of channels (a ping-pong), s."""
+    spin = default_spin(2)
+    there, there_rx = Channel.pair(1 << 20, spin)
+    back, back_rx = Channel.pair(1 << 20, spin)
+    pid = os.fork()
+    if pid == 0:
+        for _ in range(rounds + 1):
+            back.send(there_rx.recv())
+            there_rx.release()
+        os._exit(0)
+    payload = np.ones(nbytes, np.uint8)
+    times = []
+    for _ in range(rounds + 1):
+        start = time.perf_counter()
+        there.send(payload)
+        back_rx.recv()
+        back_rx.release()
+        times.append((time.perf_counter() - start) / 2)
+    os.waitpid(pid, 0)
+    return statistics.median(times[1:])
+
+
 def copy_rate(nbytes, repeats):
     a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     times = []
@@ -155,6 +206,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     total = parse_size(args.total)
     print(f"memory copy, 4 MiB: {copy_rate(4 << 20, 20):.1f} GB/s; 64 MiB: {copy_rate(64 << 20, 5):.1f} GB/s")
+    floor = flag_floor()
+    print(f"shared-memory flag one-way latency (the floor): {floor * 1e6:.2f} µs")
+    for size in (8, 4 << 10, 64 << 10):
+        t = channel_latency(size)
+        print(f"shared-memory channel one-way latency, {size:>6} B: {t * 1e6:.2f} µs ({t / floor:.1f}x the floor)")
     for seg in (parse_size(s) for s in args.segments.split(",")):
         print(f"shared-memory lane, {SLOTS} slots of {seg >> 10:>5} KiB, receiver reducing: "
               f"{lane_rate(seg, total, args.repeats):.2f} GB/s")

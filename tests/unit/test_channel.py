@@ -1,0 +1,182 @@
+"""The shared-memory channel (ringcomm.transport.channel) between real processes: order and
+contents, wrap-around, a full channel, a sleeping receiver woken by the futex, a peer that
+dies while the other spins or sleeps, and ranks that outnumber the cores."""
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ringcomm.errors import CommTimeout, PeerLost
+from ringcomm.transport import channel
+from ringcomm.transport.channel import Channel
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not channel.supported(), reason="the channel needs Linux on x86-64")]
+
+
+def message(i):
+    """Message i: a length that walks through 0..300 bytes, contents that name i."""
+    n = (i * 37) % 301
+    return (np.arange(n, dtype=np.uint32) * 2654435761 + i).astype(np.uint8).tobytes()
+
+
+def in_child(fn):
+    """Fork; the child runs ``fn()`` and exits 0 (1 if it raised). Returns the pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def exited_ok(pid):
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def alive(pid):
+    def check():
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            raise PeerLost(f"process {pid} ended", rank=1)
+    return check
+
+
+@pytest.mark.parametrize("capacity, spin", [(1 << 16, 50e-6), (256, 0.0)])
+def test_messages_arrive_in_order_and_intact_across_wrap_around(capacity, spin):
+    """256 bytes of ring and messages up to 128 bytes: the ring wraps (with skips) every few
+    messages and the sender often finds it full."""
+    tx, rx = Channel.pair(capacity, spin)
+    count = 3000
+    limit = capacity // 2
+
+    def send_all():
+        for i in range(count):
+            tx.send(message(i)[:limit])
+    pid = in_child(send_all)
+    for i in range(count):
+        got = rx.recv(check=alive(pid), deadline=time.monotonic() + 20)
+        assert bytes(got) == message(i)[:limit], i
+        rx.release()
+    assert exited_ok(pid)
+    assert rx.poll() is None
+
+
+def test_every_dtype_round_trips_bitwise():
+    tx, rx = Channel.pair(1 << 16)
+    rng = np.random.default_rng(1)
+    for dtype in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                  "uint8", "uint16", "uint32", "uint64"):
+        x = rng.integers(0, 256, 4096, dtype=np.uint8).view(dtype)
+        tx.send(x)
+        got = rx.recv().view(dtype)
+        assert got.tobytes() == x.tobytes()
+        rx.release()
+
+
+def test_a_full_channel_makes_the_sender_wait_then_go_on():
+    tx, rx = Channel.pair(256, spin=0.0)
+    for _ in range(3):
+        tx.send(b"x" * 64)  # 3 x 72 bytes: 40 left, a 64-byte message does not fit
+    with pytest.raises(CommTimeout, match="room in the channel"):
+        tx.send(b"y" * 64, deadline=time.monotonic() + 0.05)
+    done = threading.Event()
+
+    def late_send():
+        tx.send(b"z" * 64, deadline=time.monotonic() + 10)
+        done.set()
+    thread = threading.Thread(target=late_send)
+    thread.start()
+    time.sleep(0.05)
+    assert not done.is_set()  # still waiting for room
+    assert bytes(rx.recv()) == b"x" * 64
+    rx.release()
+    thread.join(5)
+    assert done.is_set()
+    for expected in (b"x" * 64, b"x" * 64, b"z" * 64):
+        assert bytes(rx.recv()) == expected
+        rx.release()
+
+
+def test_a_message_larger_than_half_the_ring_is_refused():
+    tx, _ = Channel.pair(256)
+    with pytest.raises(ValueError, match="does not fit"):
+        tx.send(b"x" * 129)
+
+
+def test_a_sleeping_receiver_is_woken_by_the_sender_not_by_its_timeout(monkeypatch):
+    """With one sleep lasting up to 2 s, a message sent 0.2 s into the wait arrives at once:
+    the futex wake works across processes."""
+    monkeypatch.setattr(channel, "SLEEP_SLICE", 2.0)
+    tx, rx = Channel.pair(1 << 12, spin=0.0)
+
+    def send_later():
+        time.sleep(0.2)
+        tx.send(b"wake")
+    pid = in_child(send_later)
+    start = time.monotonic()
+    assert bytes(rx.recv(deadline=start + 10)) == b"wake"
+    assert time.monotonic() - start < 1.0
+    assert exited_ok(pid)
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.5])
+def test_a_peer_that_dies_is_noticed_while_spinning_or_sleeping(spin):
+    """The sender is SIGKILLed mid-wait: the receiver's check() sees it within a sleep slice
+    after its spin budget."""
+    tx, rx = Channel.pair(1 << 12, spin=spin)
+    pid = in_child(lambda: time.sleep(30))
+    threading.Timer(0.1, os.kill, (pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(PeerLost):
+        rx.recv(check=alive(pid), deadline=start + 20)
+    assert time.monotonic() - start < 0.1 + spin + 0.5
+
+
+def test_ranks_that_outnumber_the_cores_ping_pong_without_starving():
+    """Four processes (two ping-pong pairs) on however few cores this machine has, with the
+    spin budget for four ranks: 2000 round trips per pair finish in bounded time."""
+    spin = channel.default_spin(4)
+    if len(os.sched_getaffinity(0)) < 4:
+        assert spin == 0.0
+    rounds = 2000
+    pids = []
+    for _ in range(2):
+        ping, pong_rx = Channel.pair(1 << 12, spin)
+        pong, ping_rx = Channel.pair(1 << 12, spin)
+
+        def echo(rx=pong_rx, tx=pong):
+            for _ in range(rounds):
+                got = bytes(rx.recv(deadline=time.monotonic() + 30))
+                rx.release()
+                tx.send(got)
+
+        def drive(tx=ping, rx=ping_rx):
+            for i in range(rounds):
+                tx.send(i.to_bytes(4, "little"))
+                assert int.from_bytes(bytes(rx.recv(deadline=time.monotonic() + 30)), "little") == i
+                rx.release()
+        pids += [in_child(echo), in_child(drive)]
+    start = time.monotonic()
+    assert all(exited_ok(pid) for pid in pids)
+    assert time.monotonic() - start < 40
+
+
+def test_files_are_private_and_checked(tmp_path):
+    path = str(tmp_path / "ch")
+    tx = Channel.create(path, 1 << 12)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError, match="not a channel"):
+        Channel.open(path, 1 << 13)
+    rx = Channel.open(path, 1 << 12)
+    tx.send(b"over a file")
+    assert bytes(rx.recv()) == b"over a file"
+    rx.release()
+    with pytest.raises(FileExistsError):
+        Channel.create(path, 1 << 12)
