@@ -50,11 +50,12 @@ from ..errors import CommTimeout
 HEADER = 256            # bytes before the ring: four 64-byte lines
 SKIP = (1 << 64) - 1    # a record length that says "the rest of the ring is empty, go to 0"
 SLEEP_SLICE = 0.002     # the longest one futex sleep lasts before check() runs again
-_LEN = struct.Struct("<Q")
-# header words (uint64 index): head at 0, tail at 8 (own lines); bells and flags at 16..
-_HEAD, _TAIL = 0, 8
-_DATA_BELL, _ROOM_BELL = 32, 34          # uint32 index (byte 128, 136)
-_DATA_SLEEPER, _ROOM_SLEEPER = 48, 50    # uint32 index (byte 192, 200)
+_U64, _U32 = struct.Struct("<Q"), struct.Struct("<I")
+# byte offsets in the header: head and tail on lines of their own, then the bells and the
+# "may be asleep" flags
+_HEAD, _TAIL = 0, 64
+_DATA_BELL, _ROOM_BELL = 128, 136
+_DATA_SLEEPER, _ROOM_SLEEPER = 192, 200
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
@@ -84,12 +85,11 @@ class Channel:
         if capacity & (capacity - 1) or capacity < 64:
             raise ValueError(f"capacity must be a power of two of at least 64 bytes, got {capacity}")
         self._map, self.capacity, self.spin = mapping, capacity, spin
-        self._words = np.frombuffer(mapping, np.uint64, HEADER // 8)
-        self._bells = np.frombuffer(mapping, np.uint32, HEADER // 4)
         self._ring = np.frombuffer(mapping, np.uint8, capacity, HEADER)
+        self._taken = 0
         base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-        self._data_bell = ctypes.c_void_p(base + 4 * _DATA_BELL)
-        self._room_bell = ctypes.c_void_p(base + 4 * _ROOM_BELL)
+        self._data_bell = ctypes.c_void_p(base + _DATA_BELL)
+        self._room_bell = ctypes.c_void_p(base + _ROOM_BELL)
 
     # -- making one ------------------------------------------------------------------------
     @classmethod
@@ -125,40 +125,41 @@ class Channel:
     def send(self, payload, check=None, deadline=None):
         """Append one message (bytes-like, at most ``capacity // 2`` bytes); waits for room
         while the receiver is behind (see the module docstring)."""
-        data = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) else payload.view(np.uint8)
-        n = data.size
+        data = memoryview(payload).cast("B")
+        n = data.nbytes
         if n > self.capacity // 2:
             raise ValueError(f"a message of {n} bytes does not fit a channel of {self.capacity}")
         need = 8 + (n + 7) // 8 * 8
-        words = self._words
-        head = int(words[_HEAD])
-        pos = head % self.capacity
-        skip = self.capacity - pos if pos + need > self.capacity else 0
-        self._wait(lambda: head + skip + need - int(words[_TAIL]) <= self.capacity,
-                   self._room_bell, _ROOM_BELL, _ROOM_SLEEPER, check, deadline, "room in the channel")
+        mapping, capacity = self._map, self.capacity
+        head = _U64.unpack_from(mapping, _HEAD)[0]
+        pos = head % capacity
+        skip = capacity - pos if pos + need > capacity else 0
+        if head + skip + need - _U64.unpack_from(mapping, _TAIL)[0] > capacity:
+            self._wait(lambda: head + skip + need - _U64.unpack_from(mapping, _TAIL)[0] <= capacity,
+                       self._room_bell, _ROOM_BELL, _ROOM_SLEEPER, check, deadline, "room in the channel")
         if skip:
-            _LEN.pack_into(self._ring, pos, SKIP)
+            _U64.pack_into(mapping, HEADER + pos, SKIP)
             head, pos = head + skip, 0
-        self._ring[pos + 8:pos + 8 + n] = data
-        _LEN.pack_into(self._ring, pos, n)
-        words[_HEAD] = head + need  # publishes the record (stores stay in order on x86-64)
+        start = HEADER + pos + 8
+        mapping[start:start + n] = data
+        _U64.pack_into(mapping, HEADER + pos, n)
+        _U64.pack_into(mapping, _HEAD, head + need)  # publishes it (stores stay in order on x86-64)
         self._ring_bell(self._data_bell, _DATA_BELL, _DATA_SLEEPER)
 
     # -- receiving -------------------------------------------------------------------------
     def poll(self):
         """The next message as a read-only uint8 array over the ring (valid until
         :meth:`release`), or None if none has arrived."""
-        words = self._words
-        tail = int(words[_TAIL])
-        if int(words[_HEAD]) == tail:
+        mapping = self._map
+        tail = _U64.unpack_from(mapping, _TAIL)[0]
+        if _U64.unpack_from(mapping, _HEAD)[0] == tail:
             return None
         pos = tail % self.capacity
-        n = _LEN.unpack_from(self._ring, pos)[0]
+        n = _U64.unpack_from(mapping, HEADER + pos)[0]
         if n == SKIP:
-            tail += self.capacity - pos
-            words[_TAIL] = tail
+            _U64.pack_into(mapping, _TAIL, tail + self.capacity - pos)
             pos = 0
-            n = _LEN.unpack_from(self._ring, 0)[0]
+            n = _U64.unpack_from(mapping, HEADER)[0]
         self._taken = 8 + (n + 7) // 8 * 8
         view = self._ring[pos + 8:pos + 8 + n]
         view.flags.writeable = False
@@ -166,7 +167,8 @@ class Channel:
 
     def release(self):
         """Free the message :meth:`poll` or :meth:`recv` returned last."""
-        self._words[_TAIL] = int(self._words[_TAIL]) + self._taken
+        mapping = self._map
+        _U64.pack_into(mapping, _TAIL, _U64.unpack_from(mapping, _TAIL)[0] + self._taken)
         self._ring_bell(self._room_bell, _ROOM_BELL, _ROOM_SLEEPER)
 
     def recv(self, check=None, deadline=None):
@@ -175,29 +177,30 @@ class Channel:
         raises :class:`CommTimeout`."""
         message = self.poll()
         if message is None:
-            self._wait(lambda: int(self._words[_HEAD]) != int(self._words[_TAIL]),
+            mapping = self._map
+            self._wait(lambda: _U64.unpack_from(mapping, _HEAD)[0] != _U64.unpack_from(mapping, _TAIL)[0],
                        self._data_bell, _DATA_BELL, _DATA_SLEEPER, check, deadline, "a message")
             message = self.poll()
         return message
 
     # -- waiting and waking ----------------------------------------------------------------
-    def _wait(self, ready, bell, bell_index, sleeper_index, check, deadline, what):
+    def _wait(self, ready, bell, bell_at, sleeper_at, check, deadline, what):
         if ready():
             return
-        bells = self._bells
+        mapping = self._map
         stop = time.perf_counter() + self.spin
         while time.perf_counter() < stop:
             if ready():
                 return
         while True:
-            rung = int(bells[bell_index])
-            bells[sleeper_index] = 1
+            rung = _U32.unpack_from(mapping, bell_at)[0]
+            _U32.pack_into(mapping, sleeper_at, 1)
             if ready():
-                bells[sleeper_index] = 0
+                _U32.pack_into(mapping, sleeper_at, 0)
                 return
             slice_ = SLEEP_SLICE if deadline is None else max(0.0, min(SLEEP_SLICE, deadline - time.monotonic()))
             _futex(bell, _FUTEX_WAIT, rung, slice_)
-            bells[sleeper_index] = 0
+            _U32.pack_into(mapping, sleeper_at, 0)
             if ready():
                 return
             if check is not None:
@@ -205,14 +208,14 @@ class Channel:
             if deadline is not None and time.monotonic() > deadline:
                 raise CommTimeout(f"timed out waiting for {what}")
 
-    def _ring_bell(self, bell, bell_index, sleeper_index):
-        bells = self._bells
-        bells[bell_index] = (int(bells[bell_index]) + 1) & 0xFFFFFFFF
-        if bells[sleeper_index]:
+    def _ring_bell(self, bell, bell_at, sleeper_at):
+        mapping = self._map
+        _U32.pack_into(mapping, bell_at, (_U32.unpack_from(mapping, bell_at)[0] + 1) & 0xFFFFFFFF)
+        if _U32.unpack_from(mapping, sleeper_at)[0]:
             _futex(bell, _FUTEX_WAKE, 1, None)
 
     def close(self):
-        self._words = self._bells = self._ring = None
+        self._ring = None
         try:
             self._map.close()
         except BufferError:  # a message view is still alive; the mapping goes with it

@@ -36,8 +36,17 @@ def in_child(fn):
     return pid
 
 
-def exited_ok(pid):
-    return os.waitpid(pid, 0)[1] == 0
+def exited_ok(pid, timeout=30):
+    """Whether child ``pid`` exited 0 within ``timeout`` s (one that has not is killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status == 0
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return False
 
 
 def alive(pid):
@@ -57,8 +66,9 @@ def test_messages_arrive_in_order_and_intact_across_wrap_around(capacity, spin):
     limit = capacity // 2
 
     def send_all():
+        deadline = time.monotonic() + 30  # a failed receiver must not leave this child behind
         for i in range(count):
-            tx.send(message(i)[:limit])
+            tx.send(message(i)[:limit], deadline=deadline)
     pid = in_child(send_all)
     for i in range(count):
         got = rx.recv(check=alive(pid), deadline=time.monotonic() + 20)
@@ -91,7 +101,7 @@ def test_a_full_channel_makes_the_sender_wait_then_go_on():
     def late_send():
         tx.send(b"z" * 64, deadline=time.monotonic() + 10)
         done.set()
-    thread = threading.Thread(target=late_send)
+    thread = threading.Thread(target=late_send, daemon=True)
     thread.start()
     time.sleep(0.05)
     assert not done.is_set()  # still waiting for room
@@ -132,11 +142,13 @@ def test_a_peer_that_dies_is_noticed_while_spinning_or_sleeping(spin):
     after its spin budget."""
     tx, rx = Channel.pair(1 << 12, spin=spin)
     pid = in_child(lambda: time.sleep(30))
-    threading.Timer(0.1, os.kill, (pid, signal.SIGKILL)).start()
+    killer = threading.Timer(0.1, os.kill, (pid, signal.SIGKILL))
+    killer.start()
     start = time.monotonic()
     with pytest.raises(PeerLost):
         rx.recv(check=alive(pid), deadline=start + 20)
     assert time.monotonic() - start < 0.1 + spin + 0.5
+    killer.join()  # no thread left running when the next test forks
 
 
 def test_ranks_that_outnumber_the_cores_ping_pong_without_starving():
