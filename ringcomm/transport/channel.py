@@ -29,8 +29,9 @@ Memory ordering: the sender writes the payload, then stores ``head``; the receiv
 in order, which is all this needs. Weaker models (ARM) would need a release fence before the
 ``head``/``tail`` stores and an acquire fence after their loads, which Python cannot issue:
 on such machines this channel is not used. The "may be asleep" flag is a store followed by a
-load on each side (a Dekker pattern), which x86-64 may reorder; a wake-up lost that way costs
-one sleep slice, never a hang.
+load on each side (a Dekker pattern), which x86-64 may reorder, so both sides put a
+:func:`fence` between them; were a wake-up lost anyway, it would cost one sleep slice, never
+a hang.
 
 >>> a, b = Channel.pair(1 << 16)          # or Channel.create(path) / Channel.open(path)
 >>> a.send(b"hello"); bytes(b.recv(check=lambda: None))
@@ -40,6 +41,7 @@ import ctypes
 import mmap
 import os
 import platform
+import stat
 import struct
 import time
 
@@ -50,16 +52,34 @@ from ..errors import CommTimeout
 HEADER = 256            # bytes before the ring: four 64-byte lines
 SKIP = (1 << 64) - 1    # a record length that says "the rest of the ring is empty, go to 0"
 SLEEP_SLICE = 0.002     # the longest one futex sleep lasts before check() runs again
-_U64, _U32 = struct.Struct("<Q"), struct.Struct("<I")
+CAPACITY = 1 << 20      # ring bytes of a transport's channel to one peer
+YIELD_BUDGET = 200e-6   # how long a waiter on an oversubscribed host yields before sleeping
+# native ("@") formats: struct copies such a word with one memcpy, a single aligned load or
+# store on x86-64, which another process never sees half done; the standard-size "<Q" packs
+# byte by byte, and a reader could see a head half written
+_U64, _U32 = struct.Struct("@Q"), struct.Struct("@I")
 # byte offsets in the header: head and tail on lines of their own, then the bells and the
 # "may be asleep" flags
 _HEAD, _TAIL = 0, 64
 _DATA_BELL, _ROOM_BELL = 128, 136
 _DATA_SLEEPER, _ROOM_SLEEPER = 192, 200
+_OUTSIDE_SLEEPER = 208  # the receiver sleeps outside the channel (see doze)
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+_fence_lock = ctypes.c_int(0)
+_libc.pthread_spin_init(ctypes.byref(_fence_lock), 0)
+_fence_ref = ctypes.byref(_fence_lock)
+
+
+def fence():
+    """A full memory barrier (a locked instruction inside a spin lock; about 0.3 µs through
+    ctypes): a store before it is visible before any load after it."""
+    _libc.pthread_spin_lock(_fence_ref)
+    _libc.pthread_spin_unlock(_fence_ref)
 
 
 class _Timespec(ctypes.Structure):
@@ -105,14 +125,22 @@ class Channel:
 
     @classmethod
     def open(cls, path, capacity, spin=50e-6):
-        """The receiver's end of the channel at ``path``."""
-        fd = os.open(path, os.O_RDWR)
+        """The receiver's end of the channel at ``path``: a private regular file of this user,
+        unlinked once mapped (both ends hold the mapping; nothing stays behind)."""
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            if os.fstat(fd).st_size != HEADER + capacity:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise ValueError(f"{path} is not a private regular file of this user")
+            if st.st_size != HEADER + capacity:
                 raise ValueError(f"{path} is not a channel of {capacity} bytes")
             mapping = mmap.mmap(fd, HEADER + capacity)
         finally:
             os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
         return cls(mapping, capacity, spin)
 
     @classmethod
@@ -122,11 +150,19 @@ class Channel:
         return cls(mapping, capacity, spin), cls(mapping, capacity, spin)
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, payload, check=None, deadline=None):
-        """Append one message (bytes-like, at most ``capacity // 2`` bytes); waits for room
-        while the receiver is behind (see the module docstring)."""
-        data = memoryview(payload).cast("B")
-        n = data.nbytes
+    def send(self, *parts, check=None, deadline=None):
+        """Append one message made of ``parts`` (bytes-like, together at most
+        ``capacity // 2`` bytes); waits for room while the receiver is behind."""
+        if not self._put(parts, wait=True, check=check, deadline=deadline):
+            raise AssertionError("unreachable: a waiting put always succeeds or raises")
+
+    def try_send(self, *parts):
+        """Like :meth:`send`, but returns False at once instead of waiting for room."""
+        return self._put(parts, wait=False)
+
+    def _put(self, parts, wait, check=None, deadline=None):
+        views = [memoryview(part).cast("B") for part in parts]
+        n = sum(view.nbytes for view in views)
         if n > self.capacity // 2:
             raise ValueError(f"a message of {n} bytes does not fit a channel of {self.capacity}")
         need = 8 + (n + 7) // 8 * 8
@@ -135,16 +171,27 @@ class Channel:
         pos = head % capacity
         skip = capacity - pos if pos + need > capacity else 0
         if head + skip + need - _U64.unpack_from(mapping, _TAIL)[0] > capacity:
+            if not wait:
+                return False
             self._wait(lambda: head + skip + need - _U64.unpack_from(mapping, _TAIL)[0] <= capacity,
                        self._room_bell, _ROOM_BELL, _ROOM_SLEEPER, check, deadline, "room in the channel")
         if skip:
             _U64.pack_into(mapping, HEADER + pos, SKIP)
             head, pos = head + skip, 0
         start = HEADER + pos + 8
-        mapping[start:start + n] = data
+        for view in views:
+            mapping[start:start + view.nbytes] = view
+            start += view.nbytes
         _U64.pack_into(mapping, HEADER + pos, n)
         _U64.pack_into(mapping, _HEAD, head + need)  # publishes it (stores stay in order on x86-64)
         self._ring_bell(self._data_bell, _DATA_BELL, _DATA_SLEEPER)
+        return True
+
+    def receiver_dozing(self):
+        """Sender side: whether the receiver said it may sleep elsewhere (:meth:`doze`), so
+        that a message just sent must be announced to it some other way."""
+        fence()
+        return _U32.unpack_from(self._map, _OUTSIDE_SLEEPER)[0] != 0
 
     # -- receiving -------------------------------------------------------------------------
     def poll(self):
@@ -171,6 +218,19 @@ class Channel:
         _U64.pack_into(mapping, _TAIL, _U64.unpack_from(mapping, _TAIL)[0] + self._taken)
         self._ring_bell(self._room_bell, _ROOM_BELL, _ROOM_SLEEPER)
 
+    def ready(self):
+        """Receiver side: whether a message is waiting."""
+        mapping = self._map
+        return _U64.unpack_from(mapping, _HEAD)[0] != _U64.unpack_from(mapping, _TAIL)[0]
+
+    def doze(self, dozing=True):
+        """Receiver side: say that this end may now sleep somewhere else (the transport's
+        poll of its sockets), or no longer; after ``doze()``, check :meth:`ready` once more
+        before sleeping."""
+        _U32.pack_into(self._map, _OUTSIDE_SLEEPER, 1 if dozing else 0)
+        if dozing:
+            fence()
+
     def recv(self, check=None, deadline=None):
         """The next message (as :meth:`poll`), waiting for it; ``check()`` runs between
         sleeps and may raise (a lost peer), and passing ``deadline`` (``time.monotonic()``)
@@ -195,6 +255,7 @@ class Channel:
         while True:
             rung = _U32.unpack_from(mapping, bell_at)[0]
             _U32.pack_into(mapping, sleeper_at, 1)
+            fence()
             if ready():
                 _U32.pack_into(mapping, sleeper_at, 0)
                 return
@@ -211,6 +272,7 @@ class Channel:
     def _ring_bell(self, bell, bell_at, sleeper_at):
         mapping = self._map
         _U32.pack_into(mapping, bell_at, (_U32.unpack_from(mapping, bell_at)[0] + 1) & 0xFFFFFFFF)
+        fence()
         if _U32.unpack_from(mapping, sleeper_at)[0]:
             _futex(bell, _FUTEX_WAKE, 1, None)
 
@@ -228,3 +290,87 @@ def _futex(address, op, value, timeout):
         ts = _Timespec(int(timeout), int((timeout % 1) * 1e9))
     _libc.syscall(_SYS_FUTEX, address, op, ctypes.c_uint32(value),
                   ctypes.byref(ts) if ts is not None else None, None, 0)
+
+
+class PeerChannels:
+    """A rank's channels to and from its same-host peers, for a transport that also waits on
+    sockets: a sleeping receiver is woken by a *doorbell* the sender sends another way (the
+    transport's ``ring(peer)``), since a poll of sockets cannot wait on a futex.
+
+    >>> channels.create(peer, path)              # at start-up, this rank's end to ``peer``
+    >>> channels.open(peer, path)                # ``peer``'s channel into this rank
+    >>> channels.try_send(peer, header, payload)  # False: not sent (full, or no channel)
+    >>> for src, message in channels.messages(): ...
+    """
+
+    def __init__(self, ranks_on_host, capacity=CAPACITY):
+        self.capacity, self.spin = capacity, default_spin(ranks_on_host)
+        self._out, self._in, self._paths = {}, {}, []
+
+    def create(self, peer, path):
+        self._out[peer] = Channel.create(path, self.capacity, self.spin)
+        self._paths.append(path)
+
+    def open(self, peer, path):
+        self._in[peer] = Channel.open(path, self.capacity, self.spin)
+
+    def __contains__(self, peer):
+        return peer in self._out
+
+    def try_send(self, peer, *parts):
+        """Send through the channel to ``peer``; returns (sent, the receiver may be asleep
+        and wants a doorbell)."""
+        channel = self._out[peer]
+        if not channel.try_send(*parts):
+            return False, False
+        return True, channel.receiver_dozing()
+
+    def messages(self, only=None):
+        """Every waiting message (from ``only``, or from every peer), as ``(src, bytes)``: a
+        copy, each released from its channel before it is handed out, so that nothing the
+        caller does with it can hold or release the channel twice."""
+        for src, channel in self._in.items() if only is None else [(only, self._in.get(only))]:
+            if channel is None:
+                continue
+            while (message := channel.poll()) is not None:
+                data = message.tobytes()
+                del message
+                channel.release()
+                yield src, data
+
+    def ready(self):
+        return any(channel.ready() for channel in self._in.values())
+
+    def wait_briefly(self):
+        """Spin up to the spin budget for a message; True if one came, else every channel
+        is marked dozing (undo with :meth:`awake`) and False returned unless one came
+        meanwhile."""
+        if not self._in:
+            return False
+        # ranks outnumber cores: give the core away (the sender may be the one waiting for
+        # it) for a while instead of spinning on it or sleeping at once
+        spin, pause = (self.spin, None) if self.spin else (YIELD_BUDGET, os.sched_yield)
+        stop = time.perf_counter() + spin
+        while True:
+            if self.ready():
+                return True
+            if time.perf_counter() >= stop:
+                break
+            if pause is not None:
+                pause()
+        for channel in self._in.values():
+            channel.doze()
+        return self.ready()
+
+    def awake(self):
+        for channel in self._in.values():
+            channel.doze(False)
+
+    def close(self):
+        for path in self._paths:  # a peer that never opened its channel leaves the name
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        for channel in (*self._out.values(), *self._in.values()):
+            channel.close()

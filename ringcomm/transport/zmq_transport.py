@@ -15,8 +15,12 @@ communicator calls at the end of every collective; smaller ones (every segment w
 ZeroMQ's buffer as it is (``copy=False``); the algorithm reduces or copies straight from it.
 
 Between ranks that share a host and its ``/dev/shm``, segments of ``SHM_MIN_BYTES`` up to
-one slot travel through shared-memory lanes instead (:mod:`.shm`): ZeroMQ carries only a
-notice naming the slot, the receiver reduces straight out of it.
+one slot travel through shared-memory lanes instead (:mod:`.shm`), the receiver reducing
+straight out of the slot; every smaller message and every slot notice travels through a
+shared-memory channel to that peer (:mod:`.channel`), not through ZeroMQ. A rank waiting for
+messages spins briefly on its channels, then sleeps in its poll of the sockets; a sender that
+finds it asleep rings a DOORBELL over ZeroMQ. BYE stays on ZeroMQ, behind any data sent there,
+and the receiver empties the sender's channel before it takes a BYE in.
 
 All sockets belong to the one thread that calls this object (ZeroMQ sockets are not
 thread-safe); ``ringcomm.engine`` makes that the communication thread.
@@ -33,6 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
+from .channel import PeerChannels
 from .frame import Kind
 from .mailbox import MAX_LEAD
 from .shm import SHM_DIR, InLanes, OutLane, lane_path
@@ -56,6 +61,8 @@ CLOSE_WAIT = 1.5
 # How long zero-timeout pumps may skip polling the monitor sockets (seconds).
 MONITOR_INTERVAL = 0.005
 _POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` builds an enum member each time
+_VIA_ZMQ = (Kind.BYE, Kind.LANE)  # never through a channel (see the module docstring)
+_KIND_AT = 5  # the kind's byte in a packed header (frame.HEADER)
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -93,6 +100,8 @@ class ZmqTransport(Transport):
         self._in_lanes = InLanes(lanes.slots, lanes.slot_bytes) if lanes else None
         self._lanes_in = set()   # peers whose lane into this rank is mapped
         self._lane_errors = {}   # peer -> why its lane could not be mapped
+        self._channels = PeerChannels(len(lanes.peers) + 1) if lanes else None
+        self._doorbell = frame.pack(Kind.DOORBELL, rank, frame.Key(0, 0, 0, 0, 0), 0, bytes(16))
         self._ctx, self._pull = context, pull
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
         self._guard = guard
@@ -160,8 +169,9 @@ class ZmqTransport(Transport):
         empty = frame.Key(0, 0, 0, 0, 0)
         for peer in plan.peers:
             try:
-                self._out_lanes[peer] = OutLane(lane_path(SHM_DIR, plan.token, self.rank, peer),
-                                                plan.slots, plan.slot_bytes)
+                path = lane_path(SHM_DIR, plan.token, self.rank, peer)
+                self._out_lanes[peer] = OutLane(path, plan.slots, plan.slot_bytes)
+                self._channels.create(peer, path + "-channel")
             except OSError as exc:
                 raise CommError(f"rank {self.rank} cannot create shared memory for rank {peer} in "
                                 f"{SHM_DIR}: {exc} (RINGCOMM_SHM=0 sends everything through ZeroMQ)") from None
@@ -186,7 +196,9 @@ class ZmqTransport(Transport):
         if src not in self._plan.peers or src in self._lanes_in:
             raise FrameError(f"unexpected LANE from rank {src}")
         try:
-            self._in_lanes.open(src, lane_path(SHM_DIR, self._plan.peers[src], src, self.rank))
+            path = lane_path(SHM_DIR, self._plan.peers[src], src, self.rank)
+            self._in_lanes.open(src, path)
+            self._channels.open(src, path + "-channel")
             self._lanes_in.add(src)
         except (OSError, ValueError) as exc:
             self._lane_errors[src] = exc
@@ -195,8 +207,15 @@ class ZmqTransport(Transport):
         if dst in self._said_bye:
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its communicator", rank=dst)
         sock = self._push[dst]
+        nbytes = memoryview(payload).nbytes
+        channels = self._channels
+        if channels is not None and dst in channels and nbytes < SHM_MIN_BYTES and header[_KIND_AT] not in _VIA_ZMQ:
+            sent, asleep = channels.try_send(dst, header, payload)  # not sent: full, use ZeroMQ
+            if sent:
+                if asleep:
+                    sock.send(self._doorbell, zmq.NOBLOCK)
+                return None
         try:
-            nbytes = memoryview(payload).nbytes
             if nbytes < ONE_FRAME_BYTES:  # one ZeroMQ frame: half the send and receive calls
                 sock.send(b"".join((header, payload)), zmq.NOBLOCK)
                 return None
@@ -229,13 +248,53 @@ class ZmqTransport(Transport):
             self._drain()
             return
         self._monitors_seen = now
-        for sock, _ in zmq.zmq_poll(self._poll_all, int(timeout * 1000)):
-            if sock is self._pull:
-                self._drain()
-            else:
-                self._on_monitor(sock)
+        channels = self._channels
+        if channels is not None and timeout > 0 and channels.wait_briefly():
+            timeout = 0  # a message came while spinning
+        try:
+            for sock, _ in zmq.zmq_poll(self._poll_all, int(timeout * 1000)):
+                if sock is self._pull:
+                    self._drain()
+                else:
+                    self._on_monitor(sock)
+        finally:
+            if channels is not None:
+                channels.awake()
+        if channels is not None:
+            self._drain_channels()
+
+    def _drain_channels(self, only=None):
+        """File every message waiting in the channels from same-host peers (from ``only``)."""
+        size = frame.HEADER.size
+        for src, message in self._channels.messages(only):
+            try:
+                header = frame.unpack(message[:size], len(message) - size, self.world_size, self.rank)
+                if header.src != src or header.kind in _VIA_ZMQ:
+                    raise FrameError(f"a {header.kind.name} from rank {header.src} in rank {src}'s channel")
+                payload = memoryview(message)[size:]
+                if header.kind == Kind.SHM:
+                    payload = self._in_lanes.take(src, bytes(payload), header.nbytes)
+            except FrameError as exc:
+                self.rejected += 1
+                log.warning("rank %d rejected a frame: %s", self.rank, exc)
+                continue
+            self._file(header, payload)
+
+    def _file(self, header, payload):
+        if header.kind < Kind.BYE or header.kind == Kind.SHM:  # data: the common case first
+            self.mailbox.put(header, payload)
+        elif header.kind == Kind.BYE:
+            if self._channels is not None:  # what it sent before its goodbye comes first
+                self._drain_channels(header.src)
+            self._said_bye.add(header.src)
+        elif header.kind == Kind.DOORBELL:
+            pass  # it only woke this rank's poll; the channels are read below
+        elif not self._control(header):  # an ABORT
+            self.mailbox.put(header, payload)
 
     def _drain(self):
+        if self._channels is not None:
+            self._drain_channels()
         pull = self._pull
         # ZMQ_EVENTS is cheaper than a failed receive's exception, but may say "readable"
         # for a pipe that turns out to hold only its end (a peer's dropped connection)
@@ -264,12 +323,7 @@ class ZmqTransport(Transport):
                 self.rejected += 1
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
                 continue
-            if header.kind < Kind.BYE or header.kind == Kind.SHM:  # data: the common case first
-                self.mailbox.put(header, payload)
-            elif header.kind == Kind.BYE:
-                self._said_bye.add(header.src)
-            elif not self._control(header):  # an ABORT
-                self.mailbox.put(header, payload)
+            self._file(header, payload)
 
     def _on_monitor(self, monitor):
         event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
@@ -308,7 +362,10 @@ class ZmqTransport(Transport):
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
         bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, 0, 0, 0, 0), 0, bytes(16))
         for sock in self._push.values():
-            sock.send_multipart([bye, b""], zmq.NOBLOCK)
+            try:
+                sock.send_multipart([bye, b""], zmq.NOBLOCK)
+            except zmq.Again:  # that peer's connection is gone: nobody to say goodbye to
+                pass
         pending = lambda: [p for p in self._push if p not in self._said_bye and p not in self._gone_since]  # noqa: E731
         while pending() and time.monotonic() < deadline:
             self._pump(0.05)
@@ -324,6 +381,8 @@ class ZmqTransport(Transport):
         self._ctx.term()
         for lane in self._out_lanes.values():
             lane.close()
+        if self._channels is not None:
+            self._channels.close()
         if self._in_lanes is not None:
             self._in_lanes.close()
         for path in self._cleanup:

@@ -180,15 +180,31 @@ def test_ranks_that_outnumber_the_cores_ping_pong_without_starving():
     assert time.monotonic() - start < 40
 
 
-def test_files_are_private_and_checked(tmp_path):
+def test_files_are_private_checked_and_gone_once_opened(tmp_path):
     path = str(tmp_path / "ch")
     tx = Channel.create(path, 1 << 12)
     assert os.stat(path).st_mode & 0o777 == 0o600
-    with pytest.raises(ValueError, match="not a channel"):
-        Channel.open(path, 1 << 13)
-    rx = Channel.open(path, 1 << 12)
-    tx.send(b"over a file")
-    assert bytes(rx.recv()) == b"over a file"
-    rx.release()
     with pytest.raises(FileExistsError):
         Channel.create(path, 1 << 12)
+    with pytest.raises(ValueError, match="not a channel"):
+        Channel.open(path, 1 << 13)
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="not a private regular file"):
+        Channel.open(path, 1 << 12)
+    os.chmod(path, 0o600)
+    rx = Channel.open(path, 1 << 12)
+    assert not os.path.exists(path)  # both ends hold the mapping; the name is gone
+    tx.send(b"over ", b"a file")
+    assert bytes(rx.recv()) == b"over a file"
+    rx.release()
+
+
+def test_try_send_never_waits_and_a_dozing_receiver_is_seen():
+    tx, rx = Channel.pair(256)
+    assert all(tx.try_send(b"x" * 64) for _ in range(3))
+    assert tx.try_send(b"y" * 64) is False  # full: the caller sends another way
+    assert not tx.receiver_dozing()
+    rx.doze()
+    assert tx.receiver_dozing() and rx.ready()
+    rx.doze(False)
+    assert not tx.receiver_dozing()
