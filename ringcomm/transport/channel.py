@@ -1,8 +1,9 @@
 """A one-way shared-memory channel between two processes of one host: small messages travel
 inline, and a side that must wait spins briefly, then sleeps on a futex the other side wakes.
 
-This is the piece the same-host fast path is built from (one channel per ordered pair of
-ranks); ZeroMQ stays for start-up, control and other hosts.
+The transport keeps one channel per ordered pair of ranks on a host (:class:`PeerChannels`)
+and sends every small message and lane notice through it; ZeroMQ stays for start-up,
+goodbyes, doorbells and other hosts.
 
 Words used here:
 

@@ -1,4 +1,5 @@
-"""Same-host fast path: segments travel through shared memory, only their notices through ZeroMQ.
+"""Same-host fast path for large segments: they travel through shared memory, only their
+notices as messages (through the peer's channel, :mod:`.channel`, or ZeroMQ).
 
 Over ``ipc://`` a ZeroMQ message is copied four times (into ZeroMQ, into the kernel, out of
 the kernel, and by the receiver's reduction) and handed between two I/O threads. Between
@@ -16,7 +17,7 @@ Words used here:
   Its pages are reserved (``posix_fallocate``) when first used, so an idle lane costs one
   page and a full tmpfs fails a reservation (that segment then goes through ZeroMQ) instead
   of killing the process with SIGBUS on a write.
-- **notice** — the ZeroMQ message (kind ``SHM``) that replaces a DATA message: the usual
+- **notice** — the message (kind ``SHM``) that replaces a DATA message: the usual
   header, then a :data:`NOTICE` of slot and generation.
 
 Lanes are opened at start-up (:meth:`~.zmq_transport.ZmqTransport.open_lanes`): every
@@ -32,7 +33,8 @@ at once, and one that keeps it holds the slot. A sender that finds no free slot 
 segment through ZeroMQ as usual: it never waits for a receiver, so ranks that wait on each
 other's slots cannot deadlock.
 
-Ordering: the sender's copy into a slot happens before its notice is sent (a system call);
+Ordering: the sender's copy into a slot happens before its notice is published (a later
+store into the channel, or a system call);
 the receiver's reads of a slot happen before its ack store, and the sender reads the ack
 before refilling the slot. x86-64 keeps stores behind earlier loads; weaker memory models
 (ARM) would want a fence before the ack store, which Python does not offer.

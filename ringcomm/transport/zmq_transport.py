@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
-from .channel import PeerChannels
+from .channel import PeerChannels, supported as channel_supported
 from .frame import Kind
 from .mailbox import MAX_LEAD
 from .shm import SHM_DIR, InLanes, OutLane, lane_path
@@ -100,7 +100,7 @@ class ZmqTransport(Transport):
         self._in_lanes = InLanes(lanes.slots, lanes.slot_bytes) if lanes else None
         self._lanes_in = set()   # peers whose lane into this rank is mapped
         self._lane_errors = {}   # peer -> why its lane could not be mapped
-        self._channels = PeerChannels(len(lanes.peers) + 1) if lanes else None
+        self._channels = PeerChannels(len(lanes.peers) + 1) if lanes and channel_supported() else None
         self._doorbell = frame.pack(Kind.DOORBELL, rank, frame.Key(0, 0, 0, 0, 0), 0, bytes(16))
         self._ctx, self._pull = context, pull
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
