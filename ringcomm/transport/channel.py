@@ -48,7 +48,7 @@ import time
 
 import numpy as np
 
-from ..errors import CommTimeout
+from ..errors import CommTimeout, FrameError
 
 HEADER = 256            # bytes before the ring: four 64-byte lines
 SKIP = (1 << 64) - 1    # a record length that says "the rest of the ring is empty, go to 0"
@@ -208,6 +208,9 @@ class Channel:
             _U64.pack_into(mapping, _TAIL, tail + self.capacity - pos)
             pos = 0
             n = _U64.unpack_from(mapping, HEADER)[0]
+        if n > self.capacity // 2 or pos + 8 + n > self.capacity:
+            raise FrameError(f"a channel record of {n} bytes at offset {pos}: the sender broke the "
+                             f"channel's format")
         self._taken = 8 + (n + 7) // 8 * 8
         view = self._ring[pos + 8:pos + 8 + n]
         view.flags.writeable = False

@@ -3,13 +3,14 @@ contents, wrap-around, a full channel, a sleeping receiver woken by the futex, a
 dies while the other spins or sleeps, and ranks that outnumber the cores."""
 import os
 import signal
+import struct
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from ringcomm.errors import CommTimeout, PeerLost
+from ringcomm.errors import CommTimeout, FrameError, PeerLost
 from ringcomm.transport import channel
 from ringcomm.transport.channel import Channel
 
@@ -208,3 +209,11 @@ def test_try_send_never_waits_and_a_dozing_receiver_is_seen():
     assert tx.receiver_dozing() and rx.ready()
     rx.doze(False)
     assert not tx.receiver_dozing()
+
+
+def test_a_record_that_breaks_the_format_is_refused_not_followed():
+    tx, rx = Channel.pair(256)
+    tx.send(b"fine")
+    struct.pack_into("@Q", tx._map, channel.HEADER, 1 << 40)  # a length no sender writes
+    with pytest.raises(FrameError, match="broke the channel's format"):
+        rx.poll()
