@@ -55,10 +55,11 @@ SKIP = (1 << 64) - 1    # a record length that says "the rest of the ring is emp
 SLEEP_SLICE = 0.002     # the longest one futex sleep lasts before check() runs again
 CAPACITY = 1 << 20      # ring bytes of a transport's channel to one peer
 YIELD_BUDGET = 200e-6   # how long a waiter on an oversubscribed host yields before sleeping
-# native ("@") formats: struct copies such a word with one memcpy, a single aligned load or
-# store on x86-64, which another process never sees half done; the standard-size "<Q" packs
-# byte by byte, and a reader could see a head half written
-_U64, _U32 = struct.Struct("@Q"), struct.Struct("@I")
+# a record's length word (written before the record is published: no reader races it)
+_LEN = struct.Struct("@Q")
+# head, tail, bells and flags are read and written as ctypes words: one aligned load or store
+# each, which another process never sees half done (struct's pack_into zeroes its target
+# before writing, and a reader can see that zero)
 # byte offsets in the header: head and tail on lines of their own, then the bells and the
 # "may be asleep" flags
 _HEAD, _TAIL = 0, 64
@@ -106,8 +107,13 @@ class Channel:
         if capacity & (capacity - 1) or capacity < 64:
             raise ValueError(f"capacity must be a power of two of at least 64 bytes, got {capacity}")
         self._map, self.capacity, self.spin = mapping, capacity, spin
+        self.largest = capacity // 2 - 8  # a record this long fits wherever the ring stands
         self._ring = np.frombuffer(mapping, np.uint8, capacity, HEADER)
         self._taken = 0
+        self._head = ctypes.c_uint64.from_buffer(mapping, _HEAD)
+        self._tail = ctypes.c_uint64.from_buffer(mapping, _TAIL)
+        self._word = {at: ctypes.c_uint32.from_buffer(mapping, at)
+                      for at in (_DATA_BELL, _ROOM_BELL, _DATA_SLEEPER, _ROOM_SLEEPER, _OUTSIDE_SLEEPER)}
         base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         self._data_bell = ctypes.c_void_p(base + _DATA_BELL)
         self._room_bell = ctypes.c_void_p(base + _ROOM_BELL)
@@ -119,7 +125,12 @@ class Channel:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, HEADER + capacity)
+            # pages reserved now: a full /dev/shm fails here, not with SIGBUS on a write
+            os.posix_fallocate(fd, 0, HEADER + capacity)
             mapping = mmap.mmap(fd, HEADER + capacity)
+        except BaseException:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         return cls(mapping, capacity, spin)
@@ -164,27 +175,28 @@ class Channel:
     def _put(self, parts, wait, check=None, deadline=None):
         views = [memoryview(part).cast("B") for part in parts]
         n = sum(view.nbytes for view in views)
-        if n > self.capacity // 2:
-            raise ValueError(f"a message of {n} bytes does not fit a channel of {self.capacity}")
+        if n > self.largest:
+            raise ValueError(f"a message of {n} bytes does not fit a channel of {self.capacity} "
+                             f"(at most {self.largest})")
         need = 8 + (n + 7) // 8 * 8
         mapping, capacity = self._map, self.capacity
-        head = _U64.unpack_from(mapping, _HEAD)[0]
+        head = self._head.value
         pos = head % capacity
         skip = capacity - pos if pos + need > capacity else 0
-        if head + skip + need - _U64.unpack_from(mapping, _TAIL)[0] > capacity:
+        if head + skip + need - self._tail.value > capacity:
             if not wait:
                 return False
-            self._wait(lambda: head + skip + need - _U64.unpack_from(mapping, _TAIL)[0] <= capacity,
+            self._wait(lambda: head + skip + need - self._tail.value <= capacity,
                        self._room_bell, _ROOM_BELL, _ROOM_SLEEPER, check, deadline, "room in the channel")
         if skip:
-            _U64.pack_into(mapping, HEADER + pos, SKIP)
+            _LEN.pack_into(mapping, HEADER + pos, SKIP)
             head, pos = head + skip, 0
         start = HEADER + pos + 8
         for view in views:
             mapping[start:start + view.nbytes] = view
             start += view.nbytes
-        _U64.pack_into(mapping, HEADER + pos, n)
-        _U64.pack_into(mapping, _HEAD, head + need)  # publishes it (stores stay in order on x86-64)
+        _LEN.pack_into(mapping, HEADER + pos, n)
+        self._head.value = head + need  # publishes it (stores stay in order on x86-64)
         self._ring_bell(self._data_bell, _DATA_BELL, _DATA_SLEEPER)
         return True
 
@@ -192,46 +204,45 @@ class Channel:
         """Sender side: whether the receiver said it may sleep elsewhere (:meth:`doze`), so
         that a message just sent must be announced to it some other way."""
         fence()
-        return _U32.unpack_from(self._map, _OUTSIDE_SLEEPER)[0] != 0
+        return self._word[_OUTSIDE_SLEEPER].value != 0
 
     # -- receiving -------------------------------------------------------------------------
     def poll(self):
         """The next message as a read-only uint8 array over the ring (valid until
         :meth:`release`), or None if none has arrived."""
         mapping = self._map
-        tail = _U64.unpack_from(mapping, _TAIL)[0]
-        if _U64.unpack_from(mapping, _HEAD)[0] == tail:
+        tail = self._tail.value
+        if self._head.value == tail:
             return None
         pos = tail % self.capacity
-        n = _U64.unpack_from(mapping, HEADER + pos)[0]
+        n = _LEN.unpack_from(mapping, HEADER + pos)[0]
         if n == SKIP:
-            _U64.pack_into(mapping, _TAIL, tail + self.capacity - pos)
+            self._tail.value = tail + self.capacity - pos
             pos = 0
-            n = _U64.unpack_from(mapping, HEADER)[0]
-        if n > self.capacity // 2 or pos + 8 + n > self.capacity:
+            n = _LEN.unpack_from(mapping, HEADER)[0]
+        taken = 8 + (n + 7) // 8 * 8
+        if n > self.largest or pos + taken > self.capacity or self._tail.value + taken > self._head.value:
             raise FrameError(f"a channel record of {n} bytes at offset {pos}: the sender broke the "
                              f"channel's format")
-        self._taken = 8 + (n + 7) // 8 * 8
+        self._taken = taken
         view = self._ring[pos + 8:pos + 8 + n]
         view.flags.writeable = False
         return view
 
     def release(self):
         """Free the message :meth:`poll` or :meth:`recv` returned last."""
-        mapping = self._map
-        _U64.pack_into(mapping, _TAIL, _U64.unpack_from(mapping, _TAIL)[0] + self._taken)
+        self._tail.value += self._taken
         self._ring_bell(self._room_bell, _ROOM_BELL, _ROOM_SLEEPER)
 
     def ready(self):
         """Receiver side: whether a message is waiting."""
-        mapping = self._map
-        return _U64.unpack_from(mapping, _HEAD)[0] != _U64.unpack_from(mapping, _TAIL)[0]
+        return self._head.value != self._tail.value
 
     def doze(self, dozing=True):
         """Receiver side: say that this end may now sleep somewhere else (the transport's
         poll of its sockets), or no longer; after ``doze()``, check :meth:`ready` once more
         before sleeping."""
-        _U32.pack_into(self._map, _OUTSIDE_SLEEPER, 1 if dozing else 0)
+        self._word[_OUTSIDE_SLEEPER].value = 1 if dozing else 0
         if dozing:
             fence()
 
@@ -241,8 +252,7 @@ class Channel:
         raises :class:`CommTimeout`."""
         message = self.poll()
         if message is None:
-            mapping = self._map
-            self._wait(lambda: _U64.unpack_from(mapping, _HEAD)[0] != _U64.unpack_from(mapping, _TAIL)[0],
+            self._wait(lambda: self._head.value != self._tail.value,
                        self._data_bell, _DATA_BELL, _DATA_SLEEPER, check, deadline, "a message")
             message = self.poll()
         return message
@@ -251,21 +261,20 @@ class Channel:
     def _wait(self, ready, bell, bell_at, sleeper_at, check, deadline, what):
         if ready():
             return
-        mapping = self._map
         stop = time.perf_counter() + self.spin
         while time.perf_counter() < stop:
             if ready():
                 return
         while True:
-            rung = _U32.unpack_from(mapping, bell_at)[0]
-            _U32.pack_into(mapping, sleeper_at, 1)
+            rung = self._word[bell_at].value
+            self._word[sleeper_at].value = 1
             fence()
             if ready():
-                _U32.pack_into(mapping, sleeper_at, 0)
+                self._word[sleeper_at].value = 0
                 return
             slice_ = SLEEP_SLICE if deadline is None else max(0.0, min(SLEEP_SLICE, deadline - time.monotonic()))
             _futex(bell, _FUTEX_WAIT, rung, slice_)
-            _U32.pack_into(mapping, sleeper_at, 0)
+            self._word[sleeper_at].value = 0
             if ready():
                 return
             if check is not None:
@@ -274,14 +283,15 @@ class Channel:
                 raise CommTimeout(f"timed out waiting for {what}")
 
     def _ring_bell(self, bell, bell_at, sleeper_at):
-        mapping = self._map
-        _U32.pack_into(mapping, bell_at, (_U32.unpack_from(mapping, bell_at)[0] + 1) & 0xFFFFFFFF)
+        word = self._word[bell_at]
+        word.value = (word.value + 1) & 0xFFFFFFFF
         fence()
-        if _U32.unpack_from(mapping, sleeper_at)[0]:
+        if self._word[sleeper_at].value:
             _futex(bell, _FUTEX_WAKE, 1, None)
 
     def close(self):
-        self._ring = None
+        self._ring = self._head = self._tail = self._word = None
+        self._data_bell = self._room_bell = None
         try:
             self._map.close()
         except BufferError:  # a message view is still alive; the mapping goes with it
@@ -310,6 +320,7 @@ class PeerChannels:
     def __init__(self, ranks_on_host, capacity=CAPACITY):
         self.capacity, self.spin = capacity, default_spin(ranks_on_host)
         self._out, self._in, self._paths = {}, {}, []
+        self.broken = {}  # peer -> why its channel into this rank is no longer read
 
     def create(self, peer, path):
         self._out[peer] = Channel.create(path, self.capacity, self.spin)
@@ -333,10 +344,18 @@ class PeerChannels:
         """Every waiting message (from ``only``, or from every peer), as ``(src, bytes)``: a
         copy, each released from its channel before it is handed out, so that nothing the
         caller does with it can hold or release the channel twice."""
-        for src, channel in self._in.items() if only is None else [(only, self._in.get(only))]:
+        for src, channel in list(self._in.items()) if only is None else [(only, self._in.get(only))]:
             if channel is None:
                 continue
-            while (message := channel.poll()) is not None:
+            while True:
+                try:
+                    message = channel.poll()
+                except FrameError as exc:  # nothing more is read from it: that peer's data times out
+                    self.broken[src] = str(exc)
+                    del self._in[src]
+                    break
+                if message is None:
+                    break
                 data = message.tobytes()
                 del message
                 channel.release()

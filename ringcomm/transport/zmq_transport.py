@@ -55,11 +55,9 @@ ONE_FRAME_BYTES = 64 << 10
 # Segments at least this large go through a shared-memory lane to same-host peers; below
 # it a ZeroMQ copy costs less than the slot bookkeeping.
 SHM_MIN_BYTES = int(os.environ.get("RINGCOMM_SHM_MIN_BYTES", 32 << 10))
-# How long close() waits for every peer's goodbye: a peer that is gone or stopped never
-# sends one, and waiting longer would only delay this rank's exit.
+# How long close() waits for every peer's goodbye (one that is gone or stopped never sends it)
 CLOSE_WAIT = 1.5
-# How long zero-timeout pumps may skip polling the monitor sockets (seconds).
-MONITOR_INTERVAL = 0.005
+MONITOR_INTERVAL = 0.005  # how long zero-timeout pumps may skip polling the monitor sockets (s)
 _POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` builds an enum member each time
 _VIA_ZMQ = (Kind.BYE, Kind.LANE)  # never through a channel (see the module docstring)
 _KIND_AT = 5  # the kind's byte in a packed header (frame.HEADER)
@@ -171,7 +169,8 @@ class ZmqTransport(Transport):
             try:
                 path = lane_path(SHM_DIR, plan.token, self.rank, peer)
                 self._out_lanes[peer] = OutLane(path, plan.slots, plan.slot_bytes)
-                self._channels.create(peer, path + "-channel")
+                if self._channels is not None:
+                    self._channels.create(peer, path + "-channel")
             except OSError as exc:
                 raise CommError(f"rank {self.rank} cannot create shared memory for rank {peer} in "
                                 f"{SHM_DIR}: {exc} (RINGCOMM_SHM=0 sends everything through ZeroMQ)") from None
@@ -198,7 +197,8 @@ class ZmqTransport(Transport):
         try:
             path = lane_path(SHM_DIR, self._plan.peers[src], src, self.rank)
             self._in_lanes.open(src, path)
-            self._channels.open(src, path + "-channel")
+            if self._channels is not None:
+                self._channels.open(src, path + "-channel")
             self._lanes_in.add(src)
         except (OSError, ValueError) as exc:
             self._lane_errors[src] = exc
@@ -213,7 +213,10 @@ class ZmqTransport(Transport):
             sent, asleep = channels.try_send(dst, header, payload)  # not sent: full, use ZeroMQ
             if sent:
                 if asleep:
-                    sock.send(self._doorbell, zmq.NOBLOCK)
+                    try:
+                        sock.send(self._doorbell, zmq.NOBLOCK)
+                    except zmq.Again:  # the peer is gone; the message waits in its channel anyway
+                        pass
                 return None
         try:
             if nbytes < ONE_FRAME_BYTES:  # one ZeroMQ frame: half the send and receive calls
@@ -266,7 +269,9 @@ class ZmqTransport(Transport):
     def _drain_channels(self, only=None):
         """File every message waiting in the channels from same-host peers (from ``only``)."""
         size = frame.HEADER.size
-        for src, message in self._channels.messages(only):
+        channels = self._channels
+        broken = len(channels.broken)
+        for src, message in channels.messages(only):
             try:
                 header = frame.unpack(message[:size], len(message) - size, self.world_size, self.rank)
                 if header.src != src or header.kind in _VIA_ZMQ:
@@ -279,6 +284,9 @@ class ZmqTransport(Transport):
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
                 continue
             self._file(header, payload)
+        if len(channels.broken) > broken:  # a peer that breaks its channel's format: data lost
+            self.rejected += 1
+            log.error("rank %d stops reading a channel: %s", self.rank, channels.broken)
 
     def _file(self, header, payload):
         if header.kind < Kind.BYE or header.kind == Kind.SHM:  # data: the common case first

@@ -64,7 +64,7 @@ def test_messages_arrive_in_order_and_intact_across_wrap_around(capacity, spin):
     messages and the sender often finds it full."""
     tx, rx = Channel.pair(capacity, spin)
     count = 3000
-    limit = capacity // 2
+    limit = capacity // 2 - 8  # the largest message: it fits wherever the ring stands
 
     def send_all():
         deadline = time.monotonic() + 30  # a failed receiver must not leave this child behind
@@ -115,10 +115,21 @@ def test_a_full_channel_makes_the_sender_wait_then_go_on():
         rx.release()
 
 
-def test_a_message_larger_than_half_the_ring_is_refused():
+def test_the_largest_message_fits_wherever_the_ring_stands_and_a_larger_is_refused():
     tx, _ = Channel.pair(256)
+    assert tx.largest == 120
     with pytest.raises(ValueError, match="does not fit"):
-        tx.send(b"x" * 129)
+        tx.send(b"x" * 121)
+    for offset in range(8, 256, 8):  # an empty ring whose position is `offset`
+        tx, rx = Channel.pair(256)
+        for record in (min(offset, 128), offset - min(offset, 128)):  # records of these sizes
+            if record:
+                tx.send(b"f" * (record - 8))
+                rx.recv()
+                rx.release()
+        assert tx.try_send(b"L" * 120), offset
+        assert bytes(rx.recv()) == b"L" * 120
+        rx.release()
 
 
 def test_a_sleeping_receiver_is_woken_by_the_sender_not_by_its_timeout(monkeypatch):
@@ -211,9 +222,15 @@ def test_try_send_never_waits_and_a_dozing_receiver_is_seen():
     assert not tx.receiver_dozing()
 
 
-def test_a_record_that_breaks_the_format_is_refused_not_followed():
+@pytest.mark.parametrize("length", [1 << 40, 64])
+def test_a_record_that_breaks_the_format_is_refused_not_followed(length):
+    """A length no sender writes, or one that runs past what the head published."""
     tx, rx = Channel.pair(256)
     tx.send(b"fine")
-    struct.pack_into("@Q", tx._map, channel.HEADER, 1 << 40)  # a length no sender writes
+    struct.pack_into("@Q", tx._map, channel.HEADER, length)
     with pytest.raises(FrameError, match="broke the channel's format"):
         rx.poll()
+    channels = channel.PeerChannels(2)
+    channels._in[3] = rx
+    assert list(channels.messages()) == [] and 3 in channels.broken  # dropped, not raised again
+    assert list(channels.messages()) == []
