@@ -273,7 +273,7 @@ class Communicator:
                 self._threads.leave(user, work if async_op else None)
 
     def _queue(self, body, sig, x, result, async_op, verb, route):
-        staged = self._device.staged and x is not _EMPTY and self._device.is_array(x)  # a barrier has no data
+        staged = self._device.staged and x.size and self._device.is_array(x)  # nothing to stage in no data
         device = self._device if staged else HOST
         engine = self._engine
         with engine.lock:  # numbers are taken in submission order, which every rank shares

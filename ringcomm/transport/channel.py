@@ -201,9 +201,9 @@ class Channel:
         return True
 
     def receiver_dozing(self):
-        """Sender side: whether the receiver said it may sleep elsewhere (:meth:`doze`), so
-        that a message just sent must be announced to it some other way."""
-        fence()
+        """Sender side, right after a send (whose bell already put a fence after the head's
+        store): whether the receiver said it may sleep elsewhere (:meth:`doze`), so that the
+        message must be announced to it some other way."""
         return self._word[_OUTSIDE_SLEEPER].value != 0
 
     # -- receiving -------------------------------------------------------------------------
