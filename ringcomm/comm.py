@@ -258,7 +258,7 @@ class Communicator:
         return self._submit(body, sig, x, result, async_op, "point_to_point", route=route)
 
     def _submit(self, body, sig, x, result, async_op, verb, route):
-        """Queue ``body(link)`` as one call: a collective (``route`` None) takes the next
+        """Run ``body(link)`` as one call: a collective (``route`` None) takes the next
         sequence number, a point-to-point call the next number of its (direction, peer, tag).
         Point-to-point calls are not guarded against other threads: they are numbered per
         route, so two threads' sends cannot be paired in the wrong order across ranks."""
@@ -266,13 +266,20 @@ class Communicator:
         user = self._threads.enter(verb) if route is None else None  # see ringcomm.threads
         work = None
         try:
-            work = self._queue(body, sig, x, result, async_op, verb, route)
+            call, work = self._queue(body, sig, x, result, async_op, verb, route)
+            if work is None:  # this thread holds the transport: the call runs here and now
+                try:
+                    return call.run(self._engine.transport)
+                finally:
+                    self._engine.release()
             return work if async_op else work.wait()
         finally:
             if user is not None:
                 self._threads.leave(user, work if async_op else None)
 
     def _queue(self, body, sig, x, result, async_op, verb, route):
+        """The call, and its queued :class:`~ringcomm.engine.Work` (None: a synchronous
+        collective this thread runs itself, holding the transport)."""
         staged = self._device.staged and x.size and self._device.is_array(x)  # nothing to stage in no data
         device = self._device if staged else HOST
         engine = self._engine
@@ -289,7 +296,9 @@ class Communicator:
                 direction, peer, tag = route
                 what = f"{'send to' if direction == 'to' else 'recv from'} rank {peer} (tag {tag}, #{seq}) on {self.name}"
             call = Call(self, body, space, seq, sig, x.dtype, what, device, result)
+            if route is None and not async_op and engine.hold():
+                return call, None  # a collective never defers: nothing for the thread to finish
             work = engine.submit(call.run, what, inline=not async_op)
         if work.inline:  # outside engine.lock: other threads may queue behind it meanwhile
             engine.run_inline(work)
-        return work
+        return call, work

@@ -227,6 +227,16 @@ class Engine:
         self._queue.put(work)
         return work
 
+    def hold(self):
+        """Call with ``self.lock`` held: True if the communication thread has nothing queued,
+        running or deferred and this thread now holds the transport, to run one call that
+        never defers (a collective) itself, then :meth:`release` it. No :class:`Work`, no
+        hand-off (see :meth:`submit` for why this is safe)."""
+        return self._pending == 0 and not self._deferred and self._busy.acquire(blocking=False)
+
+    def release(self):
+        self._busy.release()
+
     def run_inline(self, work):
         """Run a work item that :meth:`submit` kept for this thread; releases ``_busy``."""
         try:

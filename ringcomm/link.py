@@ -35,6 +35,9 @@ AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches 
 
 
 class Link:
+    __slots__ = ("transport", "ranks", "rank", "size", "comm_id", "space", "seq", "sig", "dtype",
+                 "segment_bytes", "deadline", "what", "stats", "device")
+
     def __init__(self, transport, *, ranks, rank, comm_id, space, seq, sig, dtype,
                  segment_bytes, deadline, what, stats, device=HOST):
         self.transport = transport

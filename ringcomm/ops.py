@@ -26,11 +26,26 @@ class ReduceOp(str, Enum):
     PROD = "prod"
 
 
+_UFUNC = {op: UFUNCS[op.value] for op in ReduceOp}  # by member: `.value` is a slow descriptor
+_PARSED = {}  # (op as given, dtype) -> ReduceOp: parsed once, looked up on every call
+
+
 def parse_op(op, dtype):
     """Return the :class:`ReduceOp` for ``op`` (a name or member), checked against ``dtype``.
 
     Raises ``ValueError`` for an unknown op and ``TypeError`` for ``avg`` on integers.
     """
+    try:
+        return _PARSED[(op, dtype)]
+    except (KeyError, TypeError):  # TypeError: an unhashable op, refused below
+        pass
+    parsed = _parse_op(op, dtype)
+    if len(_PARSED) < 1024:  # spellings and dtypes are few; never let odd callers grow it
+        _PARSED[(op, dtype)] = parsed
+    return parsed
+
+
+def _parse_op(op, dtype):
     try:
         op = ReduceOp(op.lower() if isinstance(op, str) and not isinstance(op, ReduceOp) else op)
     except ValueError:
@@ -45,7 +60,7 @@ def reduce_into(op, acc, incoming):
     """In place: ``acc = acc (op) incoming``; returns ``acc``. On a GPU: kernels/reduce.cu."""
     if not isinstance(acc, np.ndarray):
         return kernels.reduce(op.value, acc, incoming)
-    return UFUNCS[op.value](acc, incoming, out=acc)
+    return _UFUNC[op](acc, incoming, out=acc)
 
 
 def reduced(op, a, b, out=None):
@@ -56,7 +71,7 @@ def reduced(op, a, b, out=None):
         else:
             out[...] = a
         return kernels.reduce(op.value, out, b)
-    return UFUNCS[op.value](a, b, out=out)
+    return _UFUNC[op](a, b, out=out)
 
 
 def finalize(op, acc, n):

@@ -8,6 +8,7 @@ so in words, with :func:`describe`.
 >>> describe(pack("all_reduce", np.float32, "sum", "ring", 0, 10))
 'all_reduce(count=10, dtype=float32, op=sum, algorithm=ring)'
 """
+import functools
 import struct
 
 import numpy as np
@@ -27,10 +28,14 @@ SIZE = _LAYOUT.size  # 16
 assert SIZE == 16
 
 
+_SUPPORTED = frozenset(DTYPES)
+
+
 def dtype_supported(dtype):
-    return np.dtype(dtype) in DTYPES
+    return (dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)) in _SUPPORTED
 
 
+@functools.lru_cache(maxsize=4096)  # a training loop signs the same few calls again and again
 def pack(collective, dtype, op, algorithm, root, count):
     """16 bytes naming one collective call; ``dtype``/``op`` may be ``None``."""
     return _LAYOUT.pack(

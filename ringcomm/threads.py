@@ -31,6 +31,10 @@ class ThreadGuard:
         """Claim the communicator for this thread's call (raises if another thread has it)."""
         me = threading.get_ident()
         with self._lock:
+            user = self._users.get(me)
+            if user is not None and len(self._users) == 1 and not user[1]:
+                user[0] += 1  # the one thread that uses it, with no async work pending
+                return user
             if self._busy_elsewhere(me):
                 raise CommError(f"{self.name}: {collective} called from one thread while another has a "
                                 f"collective in progress on this communicator; use it from one thread at a "

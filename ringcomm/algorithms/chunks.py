@@ -49,4 +49,6 @@ def segment_table(count, n, itemsize, segment_bytes):
 
 def segments(count, itemsize, segment_bytes):
     """A whole buffer of ``count`` elements cut into segments of at most ``segment_bytes``."""
+    if count * itemsize <= segment_bytes:  # one segment: the common small call
+        return [slice(0, count)]
     return [slice(lo, hi) for lo, hi in split(0, count, num_segments(count, itemsize, segment_bytes))]

@@ -20,9 +20,8 @@ _EMPTY = np.empty(0, np.uint8)
 
 
 def _exchange(link, peer, rnd, x, segs, op):
-    snapshot = x.copy()  # x changes below while ZeroMQ may still be reading the send
     for j, sl in enumerate(segs):
-        link.send(peer, rnd, j, snapshot[sl])
+        link.send(peer, rnd, j, x[sl], copy=True)  # x changes below: the send must not read it later
     for j, sl in enumerate(segs):
         incoming = link.recv(peer, rnd, j, sl.stop - sl.start)
         if peer > link.rank:

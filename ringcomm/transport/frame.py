@@ -38,7 +38,7 @@ from typing import NamedTuple
 from ..errors import FrameError
 
 MAGIC = b"RCM1"
-VERSION = 4  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT; 4: DOORBELL
+VERSION = 5  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT; 5: no DOORBELL
 HEADER = struct.Struct("<4sBBBxIIQIIQ16s")
 MAX_ABORT_BYTES = 4096  # an abort's payload is a UTF-8 reason, never larger than this
 SHM_NOTICE_BYTES = 16   # see ringcomm.transport.shm.NOTICE
@@ -53,7 +53,6 @@ class Kind(IntEnum):
     PING = 6
     PONG = 7
     CREDIT = 8
-    DOORBELL = 9  # wakes a rank asleep in its poll: a message waits in a shared-memory channel
 
 
 class Key(NamedTuple):

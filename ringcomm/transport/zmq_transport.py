@@ -18,9 +18,10 @@ Between ranks that share a host and its ``/dev/shm``, segments of ``SHM_MIN_BYTE
 one slot travel through shared-memory lanes instead (:mod:`.shm`), the receiver reducing
 straight out of the slot; every smaller message and every slot notice travels through a
 shared-memory channel to that peer (:mod:`.channel`), not through ZeroMQ. A rank waiting for
-messages spins briefly on its channels, then sleeps in its poll of the sockets; a sender that
-finds it asleep rings a DOORBELL over ZeroMQ. BYE stays on ZeroMQ, behind any data sent there,
-and the receiver empties the sender's channel before it takes a BYE in.
+messages spins briefly on its channels, then sleeps in one poll of its sockets and its
+channels' bells; a sender that finds it asleep writes a byte to the bell. BYE stays on
+ZeroMQ, behind any data sent there, and the receiver empties the sender's channel before it
+takes a BYE in.
 
 All sockets belong to the one thread that calls this object (ZeroMQ sockets are not
 thread-safe); ``ringcomm.engine`` makes that the communication thread.
@@ -28,6 +29,7 @@ thread-safe); ``ringcomm.engine`` makes that the communication thread.
 import collections
 import logging
 import os
+import select
 import time
 from dataclasses import dataclass
 
@@ -37,7 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
-from .channel import PeerChannels, supported as channel_supported
+from .channel import PeerChannels, hush, supported as channel_supported
 from .frame import Kind
 from .mailbox import MAX_LEAD
 from .shm import SHM_DIR, InLanes, OutLane, lane_path
@@ -99,12 +101,17 @@ class ZmqTransport(Transport):
         self._lanes_in = set()   # peers whose lane into this rank is mapped
         self._lane_errors = {}   # peer -> why its lane could not be mapped
         self._channels = PeerChannels(len(lanes.peers) + 1) if lanes and channel_supported() else None
-        self._doorbell = frame.pack(Kind.DOORBELL, rank, frame.Key(0, 0, 0, 0, 0), 0, bytes(16))
         self._ctx, self._pull = context, pull
+        # ZeroMQ's notification descriptor for the PULL socket: readable when something
+        # may have arrived since the socket last processed its commands (see _glance)
+        self._pull_signal = select.poll()
+        self._pull_signal.register(pull.getsockopt(zmq.FD), select.POLLIN)
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
         self._guard = guard
         self.grace, self.close_wait = grace, close_wait
-        self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket
+        self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket and channel bell
+        self._bells = {}  # bell file descriptor -> the peer whose channel it belongs to
+        self._channel_to = {}  # peer -> the channel this rank sends to it through
         self._push, self._monitor_peer = {}, {}
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
@@ -145,11 +152,20 @@ class ZmqTransport(Transport):
 
     # -- sending -------------------------------------------------------------------------
     def _send(self, dst, key, sig, payload, nbytes, copy):
-        lane = self._out_lanes.get(dst)
-        if lane is not None and SHM_MIN_BYTES <= nbytes <= lane.slot_bytes:
-            notice = lane.put(payload)
-            if notice is not None:
-                return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
+        if nbytes < SHM_MIN_BYTES:
+            channel = self._channel_to.get(dst)
+            if channel is not None:  # the common small message, with fewer calls than _post
+                if dst in self._said_bye:
+                    raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its "
+                                   f"communicator", rank=dst)
+                if channel.try_send(frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload):
+                    return None
+        else:
+            lane = self._out_lanes.get(dst)
+            if lane is not None and nbytes <= lane.slot_bytes:
+                notice = lane.put(payload)
+                if notice is not None:
+                    return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
         return super()._send(dst, key, sig, payload, nbytes, copy)
 
     @property
@@ -170,7 +186,7 @@ class ZmqTransport(Transport):
                 path = lane_path(SHM_DIR, plan.token, self.rank, peer)
                 self._out_lanes[peer] = OutLane(path, plan.slots, plan.slot_bytes)
                 if self._channels is not None:
-                    self._channels.create(peer, path + "-channel")
+                    self._channel_to[peer] = self._channels.create(peer, path + "-channel")
             except OSError as exc:
                 raise CommError(f"rank {self.rank} cannot create shared memory for rank {peer} in "
                                 f"{SHM_DIR}: {exc} (RINGCOMM_SHM=0 sends everything through ZeroMQ)") from None
@@ -198,7 +214,9 @@ class ZmqTransport(Transport):
             path = lane_path(SHM_DIR, self._plan.peers[src], src, self.rank)
             self._in_lanes.open(src, path)
             if self._channels is not None:
-                self._channels.open(src, path + "-channel")
+                bell = self._channels.open(src, path + "-channel")
+                self._bells[bell] = src
+                self._poll_all.append((bell, zmq.POLLIN))
             self._lanes_in.add(src)
         except (OSError, ValueError) as exc:
             self._lane_errors[src] = exc
@@ -208,15 +226,9 @@ class ZmqTransport(Transport):
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its communicator", rank=dst)
         sock = self._push[dst]
         nbytes = memoryview(payload).nbytes
-        channels = self._channels
-        if channels is not None and dst in channels and nbytes < SHM_MIN_BYTES and header[_KIND_AT] not in _VIA_ZMQ:
-            sent, asleep = channels.try_send(dst, header, payload)  # not sent: full, use ZeroMQ
-            if sent:
-                if asleep:
-                    try:
-                        sock.send(self._doorbell, zmq.NOBLOCK)
-                    except zmq.Again:  # the peer is gone; the message waits in its channel anyway
-                        pass
+        channel = self._channel_to.get(dst)
+        if channel is not None and nbytes < SHM_MIN_BYTES and header[_KIND_AT] not in _VIA_ZMQ:
+            if channel.try_send(header, payload):  # not sent: full, use ZeroMQ
                 return None
         try:
             if nbytes < ONE_FRAME_BYTES:  # one ZeroMQ frame: half the send and receive calls
@@ -244,32 +256,43 @@ class ZmqTransport(Transport):
 
     # -- receiving -----------------------------------------------------------------------
     def _pump(self, timeout):
+        channels = self._channels
+        dozing = False
         now = time.monotonic()
+        if timeout > 0 and channels is not None:
+            if channels.wait_briefly():
+                if now - self._monitors_seen < MONITOR_INTERVAL:
+                    self._drain_channels()  # what the spin found; ZeroMQ waits its turn
+                    return
+                timeout = 0  # no sleep, but a look at every socket
+            else:
+                dozing = True  # the channels' senders now ring their bells
         if timeout <= 0 and now - self._monitors_seen < MONITOR_INTERVAL:
-            # the quick look a collective takes at its start and end, without a poll system
-            # call; a lost peer's monitor event waits a few ms, well inside its grace
-            self._drain()
+            # the quick look a collective takes at its start and end; a lost peer's monitor
+            # event waits a few ms, well inside its grace
+            self._glance()
             return
         self._monitors_seen = now
-        channels = self._channels
-        if channels is not None and timeout > 0 and channels.wait_briefly():
-            timeout = 0  # a message came while spinning
         try:
             for sock, _ in zmq.zmq_poll(self._poll_all, int(timeout * 1000)):
                 if sock is self._pull:
                     self._drain()
+                elif sock in self._bells:
+                    self._on_bell(sock)
                 else:
                     self._on_monitor(sock)
         finally:
-            if channels is not None:
+            if dozing:
                 channels.awake()
         if channels is not None:
             self._drain_channels()
 
     def _drain_channels(self, only=None):
         """File every message waiting in the channels from same-host peers (from ``only``)."""
-        size = frame.HEADER.size
         channels = self._channels
+        if only is None and not channels.ready():
+            return
+        size = frame.HEADER.size
         broken = len(channels.broken)
         for src, message in channels.messages(only):
             try:
@@ -295,14 +318,26 @@ class ZmqTransport(Transport):
             if self._channels is not None:  # what it sent before its goodbye comes first
                 self._drain_channels(header.src)
             self._said_bye.add(header.src)
-        elif header.kind == Kind.DOORBELL:
-            pass  # it only woke this rank's poll; the channels are read below
         elif not self._control(header):  # an ABORT
             self.mailbox.put(header, payload)
+
+    def _glance(self):
+        """File what arrived, asking ZeroMQ (a costly option read) only when its descriptor
+        says something may have come. Every path that makes the socket process its commands
+        (this, :meth:`_drain`, the poll in :meth:`_pump`) drains it until it says nothing is
+        left, so a quiet descriptor means no message; and the full poll every
+        ``MONITOR_INTERVAL`` would catch one missed anyway."""
+        if self._channels is not None:
+            self._drain_channels()
+        if self._pull_signal.poll(0):
+            self._drain_pull()
 
     def _drain(self):
         if self._channels is not None:
             self._drain_channels()
+        self._drain_pull()
+
+    def _drain_pull(self):
         pull = self._pull
         # ZMQ_EVENTS is cheaper than a failed receive's exception, but may say "readable"
         # for a pipe that turns out to hold only its end (a peer's dropped connection)
@@ -332,6 +367,13 @@ class ZmqTransport(Transport):
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
                 continue
             self._file(header, payload)
+
+    def _on_bell(self, bell):
+        """A channel's bell woke the poll (its messages are read right after); a bell whose
+        sender closed it (the peer ended) leaves the poll, or it would wake it forever."""
+        if not hush(bell):
+            del self._bells[bell]
+            self._poll_all = [item for item in self._poll_all if item[0] != bell]
 
     def _on_monitor(self, monitor):
         event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
