@@ -1,14 +1,17 @@
-"""ringcomm all-reduce side by side with torch.distributed (Gloo) and Open MPI, in one run.
+"""ringcomm all-reduce side by side with torch.distributed (Gloo), Open MPI and the
+shared-memory floor, in one run.
 
     python bench/peers.py [--world-sizes 2,4] [--sizes 4K,256K,4M,64M] [--rounds 3]
                           [--iters 10] [--warmup 1] [--algorithms ring,auto]
-                          [--peers gloo,openmpi] [--timeout 300] [--out bench/out] [--verbose]
+                          [--peers gloo,openmpi,floor] [--timeout 300] [--out bench/out] [--verbose]
 
 The driver (this script, one process) starts, for each world size N, one job per library
 and keeps them all alive: ringcomm under ``python -m ringcomm.launch --nproc N``
 (bench/peer_ringcomm.py), N torch.distributed Gloo processes with torchrun's environment
 and ``init_method=tcp://127.0.0.1:PORT`` (bench/peer_torch.py), and ``mpirun -n N
---oversubscribe python bench/peer_mpi.py`` (mpi4py over Open MPI). Every rank waits for
+--oversubscribe python bench/peer_mpi.py`` (mpi4py over Open MPI), and N processes of
+bench/peer_floor.py (numpy over one shared mapping and spinning flags: the floor any
+shared-memory all-reduce in Python pays at least). Every rank waits for
 commands on a socket (bench/control.py), so only one library runs at a time. In round k
 the libraries take turns, for each size, in an order rotated by k; each turn is ``--warmup``
 untimed and ``--iters`` timed float32 SUM all-reduces, every result checked. ringcomm runs
@@ -38,17 +41,19 @@ import numpy as np
 import benchlib as bl
 from ringcomm.units import human
 import control
+import peer_floor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = ("gloo", "openmpi")
-SCRIPTS = {"ringcomm": "peer_ringcomm.py", "gloo": "peer_torch.py", "openmpi": "peer_mpi.py"}
+PEERS = ("gloo", "openmpi", "floor")
+SCRIPTS = {"ringcomm": "peer_ringcomm.py", "gloo": "peer_torch.py", "openmpi": "peer_mpi.py",
+           "floor": "peer_floor.py"}
 TARGETS = [  # (size, peer, metric, bound): ringcomm/peer ratio of metric must satisfy bound
     (4 << 20, "gloo", "busbw", 1.5), (4 << 20, "openmpi", "busbw", 0.8),
     (64 << 20, "gloo", "busbw", 1.5), (64 << 20, "openmpi", "busbw", 0.8),
     (4 << 10, "gloo", "time", 0.5)]
 CSV_COLUMNS = ["world_size", "library", "algorithm", "status", "size_bytes", "count", "type",
                "redop", "root", "calls", "time_us", "time_us_min", "time_us_max", "algbw",
-               "busbw", "wrong", "vs_gloo", "vs_openmpi"]
+               "busbw", "wrong", "vs_gloo", "vs_openmpi", "vs_floor"]
 
 
 def parse_args(argv=None):
@@ -93,6 +98,16 @@ def start(library, n, address, logs):
     if library == "ringcomm":
         job.start([sys.executable, "-m", "ringcomm.launch", "--nproc", str(n), script,
                    "--control", address])
+    elif library == "floor":
+        job.mapping = f"/dev/shm/ringcomm-bench-floor-{os.getpid()}-n{n}"
+        fd = os.open(job.mapping, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, peer_floor.mapping_bytes(n))
+        finally:
+            os.close(fd)
+        for rank in range(n):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), OMP_NUM_THREADS="1")
+            job.start([sys.executable, "-u", script, "--control", address, "--mapping", job.mapping], env=env)
     elif library == "gloo":
         port = free_port()
         for rank in range(n):
@@ -162,6 +177,8 @@ def bench_world(n, args, logs):
     finally:
         for job in jobs.values():
             job.stop()
+            if getattr(job, "mapping", None):
+                os.unlink(job.mapping)
         listener.close()
     return arms, times, rounds, wrong, status
 
@@ -193,12 +210,14 @@ def table_rows(n, arms, times, rounds, wrong, status):
 
 def print_world(n, rows, args):
     print(f"\n# all_reduce float32 sum, N = {n} ranks: ringcomm vs torch.distributed Gloo vs "
-          f"Open MPI; {args.rounds} rounds x {args.iters} timed calls, libraries alternated")
+          f"Open MPI vs the shared-memory floor; {args.rounds} rounds x {args.iters} timed calls, "
+          f"libraries alternated")
     print(f"# time = median of the slowest rank's per-call time; busbw = algbw * {2 * (n - 1) / n:.3g}"
           f"; vs X = ringcomm time / X time (< 1: ringcomm faster)")
     head = bl.header_prefix()
     extra = (f"  {'library':<15}", f"  {'':<15}")
-    ratio = (f" {'vs gloo':>8} {'vs openmpi':>10} {'spread':>7}", f" {'(time)':>8} {'(time)':>10} {'':>7}")
+    ratio = (f" {'vs gloo':>8} {'vs openmpi':>10} {'vs floor':>8} {'spread':>7}",
+             f" {'(time)':>8} {'(time)':>10} {'(time)':>8} {'':>7}")
     for i in range(2):
         print(head[i] + extra[i] + "  " + bl.metric_header()[i] + ratio[i])
     last = None
@@ -212,7 +231,7 @@ def print_world(n, rows, args):
             continue
         spread = max(row["round_medians_us"]) / min(row["round_medians_us"])
         ratios = "".join(f" {row[k]:>{w}.3f}" if k in row else f" {'':>{w}}"
-                         for k, w in (("vs_gloo", 8), ("vs_openmpi", 10)))
+                         for k, w in (("vs_gloo", 8), ("vs_openmpi", 10), ("vs_floor", 8)))
         print(f" {prefix}  {name:<15}  {bl.metric_cells(row)}{ratios} {spread:>6.2f}x")
 
 

@@ -30,7 +30,8 @@ from ringcomm.units import human, parse_size  # noqa: E402
 
 STYLE = {"ring": ("tab:blue", "o"), "ps": ("tab:red", "s"), "auto": ("tab:green", "^"),
          "rd": ("tab:purple", "v"), "ringcomm/ring": ("tab:blue", "o"),
-         "ringcomm/auto": ("tab:green", "^"), "gloo": ("tab:orange", "s"), "openmpi": ("tab:gray", "D")}
+         "ringcomm/auto": ("tab:green", "^"), "gloo": ("tab:orange", "s"), "openmpi": ("tab:gray", "D"),
+         "floor": ("black", "x")}
 
 
 def load(out):
