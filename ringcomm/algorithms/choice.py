@@ -8,12 +8,16 @@ shared-memory lanes recursive doubling keeps the all-reduce up to a larger size.
 >>> all_reduce_bytes(4, 4 << 20, "ring")                       # 6291456.0 = 2(n-1)/n * S
 """
 
-SMALL_MESSAGE_BYTES = 64 * 1024  # "auto" uses few-hop schedules at or below this size
+# "auto" uses few-hop schedules at or below this size. Measured on one host of 2 cores
+# (bench/collectives.py, medians): broadcast at N = 4 through the parameter server 0.33-0.43
+# ms against the chain's 0.35-0.57 ms at 4 and 64 KiB, 0.76 against 0.80 ms at 1 MiB; reduce
+# within noise of the chain (0.36-0.50 ms either way); at N = 2 both are one hop.
+SMALL_MESSAGE_BYTES = 64 * 1024
 # ... and for an all-reduce among ranks that share one host's shared-memory lanes, up to
-# this size: there bytes cost memory speed and each of the ring's 2(n-1) steps costs a
-# ZeroMQ hop (one host, 256 KiB: recursive doubling 0.36/0.56/1.05 ms against the ring's
-# 0.47/1.14/2.50 ms at N = 2/3/4; 1 MiB: 0.55/0.90/2.37 against 0.64/1.20/2.78; 4 MiB: the
-# ring is ahead)
+# this size: there bytes cost memory speed and each of the ring's 2(n-1) steps costs a hop.
+# Same host and bench, channels and lanes: 256 KiB recursive doubling 0.21/0.59 ms against
+# the ring's 0.30/0.84 ms at N = 2/4; 1 MiB 0.21/1.23 against 0.30/1.31; 2 MiB (N = 4) 2.43
+# against 2.18 and 4 MiB 0.95/6.0 against 0.78/4.3: there the ring is ahead.
 LOCAL_ALL_REDUCE_RD_BYTES = 1 << 20
 
 
