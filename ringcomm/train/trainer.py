@@ -215,6 +215,7 @@ def train(comm, cfg, out=print):
     per_rank = report.gather_per_rank(job, groups, len(times), step_time, idle_fraction)
     document = report.metrics(job, losses, quality, params, per_rank)
     document["resumed_from_step"] = first or None  # None: a run from step 0
+    document["step_times_s"] = times  # this rank's, in order: how steady the steps are
     if job.rank == 0:
         out(report.summary(job, document, step_time))
         out(report.table(job, per_rank))
