@@ -10,7 +10,8 @@ from .base import P2P_WINDOW_BYTES
 from .security import Guard
 from .tuning import raise_fd_limit, tune_malloc
 from . import shm
-from .zmq_transport import LanePlan, ZmqTransport
+from .same_host import LanePlan
+from .zmq_transport import ZmqTransport
 
 
 def _shared_memory_entry(info):

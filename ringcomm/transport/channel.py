@@ -2,7 +2,7 @@
 inline, and a receiver that must wait spins briefly, then sleeps on the channel's *bell*, a
 pipe the sender writes one byte to.
 
-The transport keeps one channel per ordered pair of ranks on a host (:class:`PeerChannels`)
+The transport keeps one channel per ordered pair of ranks on a host (:class:`~.peer_channels.PeerChannels`)
 and sends every small message and lane notice through it; ZeroMQ stays for start-up,
 goodbyes and other hosts. The transport sleeps in one poll of its sockets *and* its bells,
 so a message through a channel wakes it as directly as one through ZeroMQ.
@@ -20,7 +20,8 @@ Words used here:
 - **bell** — a FIFO (or, for :meth:`Channel.pair`, a pipe) from sender to receiver. The
   receiver raises its *sleeper* flag before it sleeps in ``poll()`` on the bell's read end;
   a sender that publishes a record and sees the flag writes one byte. A sender that dies
-  closes its end, and the receiver's poll returns at once (hang-up).
+  closes its end, and the receiver's poll returns at once (hang-up) — unless a child it
+  forked still holds that end; then the receiver learns of the death the slower way (``check``).
 
 Waiting: spin up to ``spin`` seconds (see :func:`default_spin`: long when every rank has a
 core, none when ranks outnumber cores, where the waiter yields its core instead so that two
@@ -144,8 +145,7 @@ class Channel:
     sender's write end), or -1 for none."""
 
     def __init__(self, mapping, capacity, spin=SPIN, bell=-1):
-        if capacity & (capacity - 1) or capacity < 64:
-            raise ValueError(f"capacity must be a power of two of at least 64 bytes, got {capacity}")
+        _check_capacity(capacity)
         self._map, self.capacity, self.spin, self.bell = mapping, capacity, spin, bell
         self.largest = capacity // 2 - 8  # a record this long fits wherever the ring stands
         self._ring = np.frombuffer(mapping, np.uint8, capacity, HEADER)
@@ -159,23 +159,24 @@ class Channel:
     def create(cls, path, capacity, spin=SPIN):
         """The sender's end: a new file at ``path`` (mode 0600), zeroed, and its bell, a FIFO
         at ``path + "-bell"``."""
+        _check_capacity(capacity)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        bell = -1
+        made, mapping = [path], None
         try:
             os.ftruncate(fd, HEADER + capacity)
             # pages reserved now: a full /dev/shm fails here, not with SIGBUS on a write
             os.posix_fallocate(fd, 0, HEADER + capacity)
             mapping = mmap.mmap(fd, HEADER + capacity)
             os.mkfifo(path + "-bell", 0o600)
+            made.append(path + "-bell")
             # read-write: opening needs no reader yet, and a bell rung for a receiver that is
             # gone never raises SIGPIPE (its bytes just fill the pipe, then are refused)
             bell = os.open(path + "-bell", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         except BaseException:
-            for name in (path, path + "-bell"):
-                try:
-                    os.unlink(name)
-                except FileNotFoundError:
-                    pass
+            for name in made:  # only what this call made: never a file that was there before
+                os.unlink(name)
+            if mapping is not None:
+                mapping.close()
             raise
         finally:
             os.close(fd)
@@ -186,6 +187,7 @@ class Channel:
         """The receiver's end of the channel at ``path``: a private regular file of this user
         and its private FIFO bell, unlinked once opened (both ends hold them; nothing stays
         behind)."""
+        _check_capacity(capacity)
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             _check_private(fd, path, stat.S_ISREG)
@@ -194,11 +196,14 @@ class Channel:
             mapping = mmap.mmap(fd, HEADER + capacity)
         finally:
             os.close(fd)
-        bell = os.open(path + "-bell", os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        bell = -1
         try:
+            bell = os.open(path + "-bell", os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
             _check_private(bell, path + "-bell", stat.S_ISFIFO)
         except BaseException:
-            os.close(bell)
+            if bell >= 0:
+                os.close(bell)
+            mapping.close()
             raise
         for name in (path, path + "-bell"):
             try:
@@ -389,97 +394,13 @@ class _Napper:
         return []
 
 
+def _check_capacity(capacity):
+    if capacity & (capacity - 1) or capacity < 64:
+        raise ValueError(f"capacity must be a power of two of at least 64 bytes, got {capacity}")
+
+
 def _check_private(fd, path, is_kind):
     st = os.fstat(fd)
     if not is_kind(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise ValueError(f"{path} is not a private {'FIFO' if is_kind is stat.S_ISFIFO else 'regular file'} "
                          f"of this user")
-
-
-class PeerChannels:
-    """A rank's channels to and from its same-host peers, for a transport that also waits on
-    sockets: it sleeps in one poll of its sockets and of :meth:`bells`.
-
-    >>> channels.create(peer, path)              # at start-up, this rank's end to ``peer``
-    >>> channels.open(peer, path)                # ``peer``'s channel into this rank
-    >>> channels.try_send(peer, header, payload)  # False: not sent (full)
-    >>> for src, message in channels.messages(): ...
-    """
-
-    def __init__(self, ranks_on_host, capacity=CAPACITY):
-        self.capacity, self.spin = capacity, default_spin(ranks_on_host)
-        self._out, self._in, self._paths = {}, {}, []
-        self._in_list = ()  # the channels into this rank, for the spin's quick look
-        self.broken = {}  # peer -> why its channel into this rank is no longer read
-
-    def create(self, peer, path):
-        """Create this rank's channel to ``peer``; returns it (its sender end)."""
-        self._paths += [path, path + "-bell"]
-        channel = self._out[peer] = Channel.create(path, self.capacity, self.spin)
-        return channel
-
-    def open(self, peer, path):
-        """Open ``peer``'s channel into this rank; returns its bell's file descriptor."""
-        channel = self._in[peer] = Channel.open(path, self.capacity, self.spin)
-        self._in_list = tuple(self._in.values())
-        return channel.bell
-
-    def __contains__(self, peer):
-        return peer in self._out
-
-    def try_send(self, peer, *parts):
-        """Send through the channel to ``peer`` (ringing its bell if it sleeps); False if
-        the channel is full."""
-        return self._out[peer].try_send(*parts)
-
-    def messages(self, only=None):
-        """Every waiting message (from ``only``, or from every peer), as ``(src, bytes)``: a
-        copy, each released from its channel before it is handed out, so that nothing the
-        caller does with it can hold or release the channel twice."""
-        for src, channel in list(self._in.items()) if only is None else [(only, self._in.get(only))]:
-            if channel is None:
-                continue
-            while True:
-                try:
-                    message = channel.take()
-                except FrameError as exc:  # nothing more is read from it: that peer's data times out
-                    self.broken[src] = str(exc)
-                    del self._in[src]
-                    self._in_list = tuple(self._in.values())
-                    break
-                if message is None:
-                    break
-                yield src, message
-
-    def ready(self):
-        for channel in self._in_list:
-            if channel.ready():
-                return True
-        return False
-
-    def wait_briefly(self):
-        """Spin up to the spin budget for a message: True if one came; else False, with
-        every channel marked dozing (its sender rings the bell; undo with :meth:`awake`)."""
-        if not self._in_list:
-            return False
-        if spin_until(self.ready, self.spin):
-            return True
-        for channel in self._in_list:
-            channel.doze()
-        if self.ready():  # came between the last look and the flags
-            self.awake()
-            return True
-        return False
-
-    def awake(self):
-        for channel in self._in_list:
-            channel.doze(False)
-
-    def close(self):
-        for path in self._paths:  # a peer that never opened its channel leaves the names
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        for channel in (*self._out.values(), *self._in.values()):
-            channel.close()

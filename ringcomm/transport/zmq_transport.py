@@ -31,7 +31,6 @@ import logging
 import os
 import select
 import time
-from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -39,10 +38,12 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
-from .channel import PeerChannels, hush, supported as channel_supported
+from .channel import supported as channel_supported
+from .peer_channels import PeerChannels
 from .frame import Kind
 from .mailbox import MAX_LEAD
-from .shm import SHM_DIR, InLanes, OutLane, lane_path
+from .same_host import VIA_ZMQ, SameHost
+from .shm import InLanes
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,6 @@ SHM_MIN_BYTES = int(os.environ.get("RINGCOMM_SHM_MIN_BYTES", 32 << 10))
 CLOSE_WAIT = 1.5
 MONITOR_INTERVAL = 0.005  # how long zero-timeout pumps may skip polling the monitor sockets (s)
 _POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` builds an enum member each time
-_VIA_ZMQ = (Kind.BYE, Kind.LANE)  # never through a channel (see the module docstring)
 _KIND_AT = 5  # the kind's byte in a packed header (frame.HEADER)
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
@@ -70,24 +70,14 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED
                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
-@dataclass
-class LanePlan:
-    """Which peers this rank exchanges segments with through shared memory, and how."""
-
-    slots: int
-    slot_bytes: int
-    token: str   # this rank's lane-name token, published in the rendezvous table
-    peers: dict  # peer -> that peer's token
-
-
-class ZmqTransport(Transport):
+class ZmqTransport(SameHost, Transport):
     max_lead = MAX_LEAD  # collective data further ahead is refused (see .mailbox)
 
     """Messages between ranks over ZeroMQ.
 
     ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r,
     ``socket_ids[r]`` the id its inbound socket published (what a connection proof names).
-    ``lanes``: a :class:`LanePlan` for the shared-memory lanes to peers on this host (opened
+    ``lanes``: a :class:`~.same_host.LanePlan` for the shared-memory lanes to peers on this host (opened
     by :meth:`open_lanes`), or ``None`` to send everything through ZeroMQ.
     """
 
@@ -168,66 +158,13 @@ class ZmqTransport(Transport):
                     return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
         return super()._send(dst, key, sig, payload, nbytes, copy)
 
-    @property
-    def lane_peers(self):
-        """The global ranks this rank exchanges segments with through shared memory."""
-        return frozenset(self._out_lanes)
-
-    def open_lanes(self, deadline):
-        """Create this rank's lanes to its same-host peers, announce them (LANE), and wait
-        until every peer's lane into this rank is mapped. Raises :class:`CommError` naming
-        the peer when a lane cannot be made or mapped."""
-        plan = self._plan
-        if plan is None:
-            return
-        empty = frame.Key(0, 0, 0, 0, 0)
-        for peer in plan.peers:
-            try:
-                path = lane_path(SHM_DIR, plan.token, self.rank, peer)
-                self._out_lanes[peer] = OutLane(path, plan.slots, plan.slot_bytes)
-                if self._channels is not None:
-                    self._channel_to[peer] = self._channels.create(peer, path + "-channel")
-            except OSError as exc:
-                raise CommError(f"rank {self.rank} cannot create shared memory for rank {peer} in "
-                                f"{SHM_DIR}: {exc} (RINGCOMM_SHM=0 sends everything through ZeroMQ)") from None
-            self._post(peer, frame.pack(Kind.LANE, self.rank, empty, 0, bytes(16)), b"")
-        while len(self._lanes_in) < len(plan.peers):
-            if self._lane_errors:
-                peer, exc = next(iter(self._lane_errors.items()))
-                raise CommError(f"rank {self.rank} cannot map rank {peer}'s shared memory: {exc} "
-                                f"(RINGCOMM_SHM=0 sends everything through ZeroMQ)")
-            self._check_peers("opening shared-memory lanes")
-            gone = (set(plan.peers) - self._lanes_in) & self._said_bye
-            if gone:
-                raise PeerLost(f"rank {self.rank}: rank {min(gone)} closed before announcing its "
-                               f"shared memory (its start-up failed)", rank=min(gone))
-            if time.monotonic() > deadline:
-                missing = sorted(set(plan.peers) - self._lanes_in)
-                raise CommTimeout(f"rank {self.rank}: ranks {missing} never announced their shared memory")
-            self._pump(0.05)
-
-    def _map_lane(self, src):
-        """A LANE message from ``src`` arrived: map its lane now, before any notice behind it."""
-        if src not in self._plan.peers or src in self._lanes_in:
-            raise FrameError(f"unexpected LANE from rank {src}")
-        try:
-            path = lane_path(SHM_DIR, self._plan.peers[src], src, self.rank)
-            self._in_lanes.open(src, path)
-            if self._channels is not None:
-                bell = self._channels.open(src, path + "-channel")
-                self._bells[bell] = src
-                self._poll_all.append((bell, zmq.POLLIN))
-            self._lanes_in.add(src)
-        except (OSError, ValueError) as exc:
-            self._lane_errors[src] = exc
-
     def _post(self, dst, header, payload, copy=False):
         if dst in self._said_bye:
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its communicator", rank=dst)
         sock = self._push[dst]
         nbytes = memoryview(payload).nbytes
         channel = self._channel_to.get(dst)
-        if channel is not None and nbytes < SHM_MIN_BYTES and header[_KIND_AT] not in _VIA_ZMQ:
+        if channel is not None and nbytes < SHM_MIN_BYTES and header[_KIND_AT] not in VIA_ZMQ:
             if channel.try_send(header, payload):  # not sent: full, use ZeroMQ
                 return None
         try:
@@ -287,30 +224,6 @@ class ZmqTransport(Transport):
         if channels is not None:
             self._drain_channels()
 
-    def _drain_channels(self, only=None):
-        """File every message waiting in the channels from same-host peers (from ``only``)."""
-        channels = self._channels
-        if only is None and not channels.ready():
-            return
-        size = frame.HEADER.size
-        broken = len(channels.broken)
-        for src, message in channels.messages(only):
-            try:
-                header = frame.unpack(message[:size], len(message) - size, self.world_size, self.rank)
-                if header.src != src or header.kind in _VIA_ZMQ:
-                    raise FrameError(f"a {header.kind.name} from rank {header.src} in rank {src}'s channel")
-                payload = memoryview(message)[size:]
-                if header.kind == Kind.SHM:
-                    payload = self._in_lanes.take(src, bytes(payload), header.nbytes)
-            except FrameError as exc:
-                self.rejected += 1
-                log.warning("rank %d rejected a frame: %s", self.rank, exc)
-                continue
-            self._file(header, payload)
-        if len(channels.broken) > broken:  # a peer that breaks its channel's format: data lost
-            self.rejected += 1
-            log.error("rank %d stops reading a channel: %s", self.rank, channels.broken)
-
     def _file(self, header, payload):
         if header.kind < Kind.BYE or header.kind == Kind.SHM:  # data: the common case first
             self.mailbox.put(header, payload)
@@ -367,13 +280,6 @@ class ZmqTransport(Transport):
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
                 continue
             self._file(header, payload)
-
-    def _on_bell(self, bell):
-        """A channel's bell woke the poll (its messages are read right after); a bell whose
-        sender closed it (the peer ended) leaves the poll, or it would wake it forever."""
-        if not hush(bell):
-            del self._bells[bell]
-            self._poll_all = [item for item in self._poll_all if item[0] != bell]
 
     def _on_monitor(self, monitor):
         event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]

@@ -1,0 +1,104 @@
+"""A rank's shared-memory channels to and from its same-host peers (:mod:`.channel`), for a
+transport that also waits on sockets: it spins on every inbound channel at once, then marks
+them all dozing and sleeps in one poll of its sockets and the channels' bells.
+
+>>> channels = PeerChannels(ranks_on_host=2)
+>>> out = channels.create(peer, path)          # at start-up, this rank's end to ``peer``
+>>> bell = channels.open(peer, path)           # ``peer``'s channel into this rank
+>>> out.try_send(header, payload)              # False: full (send another way)
+>>> for src, message in channels.messages(): ...
+"""
+import os
+
+from ..errors import FrameError
+from .channel import CAPACITY, Channel, default_spin, spin_until
+
+
+class PeerChannels:
+    """A rank's channels to and from its same-host peers, for a transport that also waits on
+    sockets: it sleeps in one poll of its sockets and of :meth:`bells`.
+
+    >>> channels.create(peer, path)              # at start-up, this rank's end to ``peer``
+    >>> channels.open(peer, path)                # ``peer``'s channel into this rank
+    >>> channels.try_send(peer, header, payload)  # False: not sent (full)
+    >>> for src, message in channels.messages(): ...
+    """
+
+    def __init__(self, ranks_on_host, capacity=CAPACITY):
+        self.capacity, self.spin = capacity, default_spin(ranks_on_host)
+        self._out, self._in, self._paths = {}, {}, []
+        self._in_list = ()  # the channels into this rank, for the spin's quick look
+        self.broken = {}  # peer -> why its channel into this rank is no longer read
+
+    def create(self, peer, path):
+        """Create this rank's channel to ``peer``; returns it (its sender end)."""
+        self._paths += [path, path + "-bell"]
+        channel = self._out[peer] = Channel.create(path, self.capacity, self.spin)
+        return channel
+
+    def open(self, peer, path):
+        """Open ``peer``'s channel into this rank; returns its bell's file descriptor."""
+        channel = self._in[peer] = Channel.open(path, self.capacity, self.spin)
+        self._in_list = tuple(self._in.values())
+        return channel.bell
+
+    def __contains__(self, peer):
+        return peer in self._out
+
+    def try_send(self, peer, *parts):
+        """Send through the channel to ``peer`` (ringing its bell if it sleeps); False if
+        the channel is full."""
+        return self._out[peer].try_send(*parts)
+
+    def messages(self, only=None):
+        """Every waiting message (from ``only``, or from every peer), as ``(src, bytes)``: a
+        copy, each released from its channel before it is handed out, so that nothing the
+        caller does with it can hold or release the channel twice."""
+        for src, channel in list(self._in.items()) if only is None else [(only, self._in.get(only))]:
+            if channel is None:
+                continue
+            while True:
+                try:
+                    message = channel.take()
+                except FrameError as exc:  # nothing more is read from it: that peer's data times out
+                    self.broken[src] = str(exc)
+                    channel.doze(False)  # and its sender rings no more
+                    del self._in[src]
+                    self._in_list = tuple(self._in.values())
+                    break
+                if message is None:
+                    break
+                yield src, message
+
+    def ready(self):
+        for channel in self._in_list:
+            if channel.ready():
+                return True
+        return False
+
+    def wait_briefly(self):
+        """Spin up to the spin budget for a message: True if one came; else False, with
+        every channel marked dozing (its sender rings the bell; undo with :meth:`awake`)."""
+        if not self._in_list:
+            return False
+        if spin_until(self.ready, self.spin):
+            return True
+        for channel in self._in_list:
+            channel.doze()
+        if self.ready():  # came between the last look and the flags
+            self.awake()
+            return True
+        return False
+
+    def awake(self):
+        for channel in self._in_list:
+            channel.doze(False)
+
+    def close(self):
+        for path in self._paths:  # a peer that never opened its channel leaves the names
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        for channel in (*self._out.values(), *self._in.values()):
+            channel.close()
