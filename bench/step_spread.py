@@ -77,8 +77,9 @@ def run_torch(args, out):
         procs.append(subprocess.Popen([sys.executable, __file__, "--torch-worker", "--out", out,
                                        "--layers", args.layers, "--steps", str(args.steps),
                                        "--batch-size", str(args.batch_size)], env=env))
-    if any(p.wait(timeout=600) for p in procs):
-        raise SystemExit("a PyTorch DDP rank failed")
+    codes = [p.wait(timeout=600) for p in procs]
+    if any(codes):
+        raise SystemExit(f"a PyTorch DDP rank failed (exit codes {codes})")
 
 
 def run_ringcomm(args, out):
@@ -109,8 +110,8 @@ def main(argv=None):
         for k in range(args.repeats):
             order = list(runs) if k % 2 == 0 else list(runs)[::-1]
             for name in order:
-                out = os.path.join(tmp, "steps.json")
-                runs[name](args, out)
+                out = os.path.join(tmp, f"steps-{k}-{len(times[name])}-{name.split()[0]}.json")
+                runs[name](args, out)  # a fresh path: a job that wrote nothing cannot pass
                 with open(out) as f:
                     times[name] += json.load(f)["step_times_s"][WARMUP:]
     print(f"# DDP step time, N = {args.nproc}, layers {args.layers}, batch {args.batch_size}, "

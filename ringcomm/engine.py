@@ -1,8 +1,10 @@
 """The communication thread, and the work handles that ``async_op=True`` returns.
 
 ZeroMQ sockets are not thread-safe, so one thread per process owns the transport and runs
-every collective, in submission order, from a queue. A synchronous call submits and waits;
-an asynchronous call returns the :class:`Work` at once. numpy and pyzmq release the GIL in
+every collective, in submission order, from a queue; a synchronous collective submitted
+while the thread is idle runs in the caller's thread instead, holding the transport
+(:meth:`Engine.hold`). A synchronous call otherwise submits and waits; an asynchronous call
+returns the :class:`Work` at once. numpy and pyzmq release the GIL in
 their heavy loops, so the caller's compute overlaps the communication.
 
 >>> work = comm.all_reduce(grad, async_op=True)   # returns at once

@@ -175,7 +175,8 @@ def evaluate(job, params):
 def train(comm, cfg, out=print):
     """Run ``cfg`` on this rank; returns ``(metrics document, strategy)``.
 
-    The document is the same on every rank (``per_rank`` gathered everywhere); the strategy
+    The document is the same on every rank (``per_rank`` gathered everywhere) but for
+    ``step_times_s``, this rank's own step times; the strategy
     holds this rank's final model state. With ``cfg.resume`` the run continues from the
     newest complete checkpoint, and the document's losses include those before it."""
     job = Job(comm, cfg)

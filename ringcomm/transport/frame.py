@@ -9,7 +9,7 @@ Header fields (little-endian):
 
 ====== ======= ===========================================================
 magic  4 bytes ``RCM1``; anything else is a foreign frame
-version u8     1
+version u8     ``VERSION`` (5); another version is refused
 kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the payload
                is a notice naming a shared-memory slot that holds the data), LANE (the
                sender's shared-memory lane to the receiver is ready; see ``.shm``), PING
@@ -38,7 +38,7 @@ from typing import NamedTuple
 from ..errors import FrameError
 
 MAGIC = b"RCM1"
-VERSION = 5  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT; 5: no DOORBELL
+VERSION = 5  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT; 4: DOORBELL; 5: none
 HEADER = struct.Struct("<4sBBBxIIQIIQ16s")
 MAX_ABORT_BYTES = 4096  # an abort's payload is a UTF-8 reason, never larger than this
 SHM_NOTICE_BYTES = 16   # see ringcomm.transport.shm.NOTICE

@@ -16,7 +16,7 @@ from .channel import CAPACITY, Channel, default_spin, spin_until
 
 class PeerChannels:
     """A rank's channels to and from its same-host peers, for a transport that also waits on
-    sockets: it sleeps in one poll of its sockets and of :meth:`bells`.
+    sockets: it sleeps in one poll of its sockets and of the bells :meth:`open` returns.
 
     >>> channels.create(peer, path)              # at start-up, this rank's end to ``peer``
     >>> channels.open(peer, path)                # ``peer``'s channel into this rank
@@ -29,11 +29,12 @@ class PeerChannels:
         self._out, self._in, self._paths = {}, {}, []
         self._in_list = ()  # the channels into this rank, for the spin's quick look
         self.broken = {}  # peer -> why its channel into this rank is no longer read
+        self._dropped = []  # broken channels not closed yet (see close_dropped)
 
     def create(self, peer, path):
         """Create this rank's channel to ``peer``; returns it (its sender end)."""
-        self._paths += [path, path + "-bell"]
         channel = self._out[peer] = Channel.create(path, self.capacity, self.spin)
+        self._paths += [path, path + "-bell"]  # only names this rank made: close() unlinks them
         return channel
 
     def open(self, peer, path):
@@ -42,13 +43,12 @@ class PeerChannels:
         self._in_list = tuple(self._in.values())
         return channel.bell
 
-    def __contains__(self, peer):
-        return peer in self._out
-
-    def try_send(self, peer, *parts):
-        """Send through the channel to ``peer`` (ringing its bell if it sleeps); False if
-        the channel is full."""
-        return self._out[peer].try_send(*parts)
+    def close_dropped(self):
+        """Close the channels :meth:`messages` stopped reading (call once their bells are
+        out of every poll)."""
+        for channel in self._dropped:
+            channel.close()
+        self._dropped = []
 
     def messages(self, only=None):
         """Every waiting message (from ``only``, or from every peer), as ``(src, bytes)``: a
@@ -63,6 +63,7 @@ class PeerChannels:
                 except FrameError as exc:  # nothing more is read from it: that peer's data times out
                     self.broken[src] = str(exc)
                     channel.doze(False)  # and its sender rings no more
+                    self._dropped.append(channel)  # closed once its bell has left the poll
                     del self._in[src]
                     self._in_list = tuple(self._in.values())
                     break
@@ -102,3 +103,4 @@ class PeerChannels:
                 pass
         for channel in (*self._out.values(), *self._in.values()):
             channel.close()
+        self.close_dropped()

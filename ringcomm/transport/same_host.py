@@ -114,6 +114,7 @@ class SameHost:
             for bell in dropped:
                 del self._bells[bell]
             self._poll_all = [item for item in self._poll_all if item[0] not in dropped]
+            channels.close_dropped()
 
     def _on_bell(self, bell):
         """A channel's bell woke the poll (its messages are read right after); a bell whose

@@ -102,6 +102,10 @@ class ZmqTransport(SameHost, Transport):
         self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket and channel bell
         self._bells = {}  # bell file descriptor -> the peer whose channel it belongs to
         self._channel_to = {}  # peer -> the channel this rank sends to it through
+        # payloads below this go through a channel: under SHM_MIN_BYTES, and small enough to
+        # fit one with their header however SHM_MIN_BYTES is set
+        self._inline_below = SHM_MIN_BYTES if self._channels is None else \
+            min(SHM_MIN_BYTES, self._channels.capacity // 2 - 8 - frame.HEADER.size + 1)
         self._push, self._monitor_peer = {}, {}
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
@@ -142,7 +146,7 @@ class ZmqTransport(SameHost, Transport):
 
     # -- sending -------------------------------------------------------------------------
     def _send(self, dst, key, sig, payload, nbytes, copy):
-        if nbytes < SHM_MIN_BYTES:
+        if nbytes < self._inline_below:
             channel = self._channel_to.get(dst)
             if channel is not None:  # the common small message, with fewer calls than _post
                 if dst in self._said_bye:
@@ -150,7 +154,7 @@ class ZmqTransport(SameHost, Transport):
                                    f"communicator", rank=dst)
                 if channel.try_send(frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload):
                     return None
-        else:
+        elif nbytes >= SHM_MIN_BYTES:
             lane = self._out_lanes.get(dst)
             if lane is not None and nbytes <= lane.slot_bytes:
                 notice = lane.put(payload)
@@ -164,7 +168,7 @@ class ZmqTransport(SameHost, Transport):
         sock = self._push[dst]
         nbytes = memoryview(payload).nbytes
         channel = self._channel_to.get(dst)
-        if channel is not None and nbytes < SHM_MIN_BYTES and header[_KIND_AT] not in VIA_ZMQ:
+        if channel is not None and nbytes < self._inline_below and header[_KIND_AT] not in VIA_ZMQ:
             if channel.try_send(header, payload):  # not sent: full, use ZeroMQ
                 return None
         try:
@@ -214,8 +218,9 @@ class ZmqTransport(SameHost, Transport):
             for sock, _ in zmq.zmq_poll(self._poll_all, int(timeout * 1000)):
                 if sock is self._pull:
                     self._drain()
-                elif sock in self._bells:
-                    self._on_bell(sock)
+                elif type(sock) is int:  # a bell (one dropped by an earlier handler: skipped)
+                    if sock in self._bells:
+                        self._on_bell(sock)
                 else:
                     self._on_monitor(sock)
         finally:

@@ -140,3 +140,22 @@ def test_a_rank_asleep_on_its_bell_is_woken_by_the_message_not_by_its_poll_timeo
             f"round {i}: rank 0's wait ended without its bell ringing\n{story}"
         delays.append(mine["end"] - mine["sent"])
     assert statistics.median(delays) < 0.05 and max(delays) < 0.2, f"{delays}\n{story}"
+
+
+def test_messages_too_large_for_a_channel_go_another_way_whatever_the_lane_threshold():
+    """With RINGCOMM_SHM_MIN_BYTES above what a channel holds, messages between the channel's
+    limit and that threshold travel through ZeroMQ instead of failing in the channel."""
+    script = textwrap.dedent("""
+        import numpy as np
+        import ringcomm
+        comm = ringcomm.init()
+        for count in (1000, 200_000, 300_000):  # 4 KB, 800 KB, 1.2 MB: channel, ZeroMQ, ZeroMQ
+            x = np.arange(count, dtype=np.float32) + comm.rank
+            comm.all_reduce(x, algorithm="rd")
+            assert np.array_equal(x, 2 * np.arange(count, dtype=np.float32) + 1), count
+        comm.close()
+        print("ok")
+    """)
+    results = spawn_job(script, 2, env={"RINGCOMM_SHM_MIN_BYTES": str(4 << 20)}, timeout=45)
+    for code, out, err in results:
+        assert code == 0 and "ok" in out, err
