@@ -63,7 +63,11 @@ SLEEP_SLICE = 0.05      # the longest one sleep on the bell lasts before check()
 ROOM_NAP = 100e-6       # a sender waiting for room sleeps this long between looks
 CAPACITY = 1 << 20      # ring bytes of a transport's channel to one peer
 YIELD_BUDGET = 200e-6   # how long a waiter on an oversubscribed host yields before sleeping
-SPIN = 50e-6            # how long a waiter with a core of its own spins before sleeping
+# how long a waiter with a core of its own spins before sleeping: long enough to cover the
+# skew between two ranks entering one small collective (bench/peers.py, N = 2: 4 KiB 37-45 µs
+# and 1.0-1.1x spread between rounds with 300 µs, 39-85 µs and 2-6x with 50 µs), short enough
+# that a rank waiting for a slow peer soon leaves its core and the GIL to others
+SPIN = 300e-6
 # a record's length word (written before the record is published: no reader races it)
 _LEN = struct.Struct("@Q")
 # head, tail and the sleeper flag are read and written as ctypes words: one aligned load or
