@@ -82,7 +82,8 @@ class Call:
                 transport.raise_news(comm.comm_id)
             else:
                 transport.pump(0)
-            self.device.activate()
+            if self.device.staged:  # the host device has nothing to activate
+                self.device.activate()
             deferred = self.body(link)
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
                 return Deferred(self._finishing(link, deferred.progress), self.result)

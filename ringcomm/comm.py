@@ -66,6 +66,7 @@ class Communicator:
         self._p2p_seq = defaultdict(int)   # (direction, peer, tag) -> next message number
         self._groups = 0
         self._local = None  # see the `local` property
+        self._schedules = {}  # (algorithm, collective) -> its function, found once
         self._stats = Stats()
         self._closed = False
         self._threads = ThreadGuard(name)
@@ -239,8 +240,11 @@ class Communicator:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         if algorithm == "auto":
-            algorithm = auto_algorithm(collective, self.world_size, nbytes, self.local)
-        run = schedule(algorithm, collective)
+            local = self._local if self._local is not None else self.local
+            algorithm = auto_algorithm(collective, self.world_size, nbytes, local)
+        run = self._schedules.get((algorithm, collective))
+        if run is None:
+            run = self._schedules[(algorithm, collective)] = schedule(algorithm, collective)
         sig = signature.pack(collective, x.dtype, op, algorithm, root or 0, x.size)
         if root is not None:
             # some ranks of a rooted collective only send, so a rank that disagrees on the

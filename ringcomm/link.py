@@ -8,6 +8,7 @@ that what arrives has the dtype and length this rank expects, and counts payload
 >>> link.send(0, step=0, segment=0, array=x[:4]); y = link.recv(0, 0, 0, count=4)
 """
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -31,6 +32,7 @@ class Stats:
 
 
 HOST = HostDevice()
+_key = partial(tuple.__new__, Key)  # Key((...)) without the namedtuple's Python-level __new__
 AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches it
 
 
@@ -55,11 +57,13 @@ class Link:
     def send(self, peer, step, segment, array, copy=False):
         """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
         zero-copy unless ``copy``: do not modify them before the collective ends."""
-        key = Key(self.comm_id, self.space, self.seq, step, segment)
-        host = self.device.stage_out(array)
-        # a staged segment is copied by the transport before send returns: the staging
-        # buffer is free again at once
-        self.transport.send(self.ranks[peer], key, self.sig, host.view(np.uint8), copy=copy or self.device.staged)
+        key = _key((self.comm_id, self.space, self.seq, step, segment))
+        device = self.device
+        if device.staged:
+            # a staged segment is copied by the transport before send returns: the staging
+            # buffer is free again at once
+            array, copy = device.stage_out(array), True
+        self.transport.send(self.ranks[peer], key, self.sig, array.view(np.uint8), copy=copy)
         self.stats.bytes_sent += array.nbytes
         self.stats.messages_sent += 1
 
@@ -67,7 +71,7 @@ class Link:
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
         array over the received buffer (on the device, for device collectives). With
         ``wait=False``: ``None`` if not arrived yet."""
-        key = Key(self.comm_id, self.space, self.seq, step, segment)
+        key = _key((self.comm_id, self.space, self.seq, step, segment))
         payload = self._take(self.ranks[peer], key, wait)
         if payload is None:
             return None
@@ -79,7 +83,8 @@ class Link:
                 f"{count} x {self.dtype.name} = {count * self.dtype.itemsize} bytes")
         self.stats.bytes_received += nbytes
         self.stats.messages_received += 1
-        return self.device.stage_in(np.frombuffer(payload, self.dtype, count))
+        received = np.frombuffer(payload, self.dtype, count)
+        return self.device.stage_in(received) if self.device.staged else received
 
     def agree(self):
         """Exchange an empty message with every other rank of the group, so that each rank

@@ -33,6 +33,7 @@ or foreign message can never be taken for the one a rank is waiting for.
 """
 import struct
 from enum import IntEnum
+from functools import partial
 from typing import NamedTuple
 
 from ..errors import FrameError
@@ -74,6 +75,9 @@ class Header(NamedTuple):
 
 
 _KINDS = {kind.value: kind for kind in Kind}  # a dict lookup is ~10x cheaper than Kind(x)
+_SHM, _ABORT = int(Kind.SHM), int(Kind.ABORT)  # int comparisons: cheaper than IntEnum's
+# the namedtuples built without their Python-level __new__ (one message, two of them)
+_new_header, _new_key = partial(tuple.__new__, Header), partial(tuple.__new__, Key)
 
 
 def pack(kind, src, key, nbytes, sig):
@@ -101,11 +105,11 @@ def unpack(header, payload_len, world_size, self_rank):
         raise FrameError(f"unknown space {space}")
     if not 0 <= src < world_size or src == self_rank:
         raise FrameError(f"frame claims to come from rank {src} (world size {world_size})")
-    if kind == Kind.SHM:
+    if kind == _SHM:
         if payload_len != SHM_NOTICE_BYTES:
             raise FrameError(f"shared-memory notice of {payload_len} bytes, expected {SHM_NOTICE_BYTES}")
     elif nbytes != payload_len:
         raise FrameError(f"header says {nbytes} payload bytes, frame has {payload_len}")
-    if kind == Kind.ABORT and nbytes > MAX_ABORT_BYTES:
+    if kind == _ABORT and nbytes > MAX_ABORT_BYTES:
         raise FrameError(f"abort reason of {nbytes} bytes exceeds {MAX_ABORT_BYTES}")
-    return Header(kind, src, Key(comm, space, seq, step, seg), nbytes, sig)
+    return _new_header((kind, src, _new_key((comm, space, seq, step, seg)), nbytes, sig))

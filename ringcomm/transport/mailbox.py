@@ -140,15 +140,19 @@ class Mailbox:
         signature for it.
         """
         if key.space == 0:
-            self.raise_late(key.comm_id)
+            if self._late and key.comm_id in self._late:
+                raise self._late.pop(key.comm_id)
             early = self._too_early.get((key.comm_id, key.seq)) if self._too_early else None
             if early is not None:
                 raise CommError(f"rank {early} sent data for this collective while this rank was "
                                 f"more than one collective behind; it was refused")
-            self.raise_notice(key.comm_id, key.seq)
-            for peer, theirs in self._signatures.get((key.comm_id, key.seq), {}).items():
-                if theirs != sig:
-                    raise SignatureMismatch(peer, theirs, sig)
+            if self._notices:
+                self.raise_notice(key.comm_id, key.seq)
+            signed = self._signatures.get((key.comm_id, key.seq))
+            if signed:
+                for peer, theirs in signed.items():
+                    if theirs != sig:
+                        raise SignatureMismatch(peer, theirs, sig)
         if key.space == 1 and self._flooded and (src, key.comm_id, key.step) in self._flooded:
             raise CommError(f"rank {src} sent more than a well-behaved rank can "
                             f"({self._flooded[(src, key.comm_id, key.step)]}); its data was refused")
@@ -179,7 +183,8 @@ class Mailbox:
         self._notices.pop((comm_id, seq), None)
         if self._too_early:
             self._too_early = {k: v for k, v in self._too_early.items() if k[0] != comm_id or k[1] > seq}
-        stale = [i for i in self._messages if i[1] == comm_id and i[2] == 0 and i[3] <= seq]
-        for ident in stale:
-            del self._messages[ident]
-        self.dropped += len(stale)
+        if self._messages:  # (most collectives end with nothing left over)
+            stale = [i for i in self._messages if i[1] == comm_id and i[2] == 0 and i[3] <= seq]
+            for ident in stale:
+                del self._messages[ident]
+            self.dropped += len(stale)

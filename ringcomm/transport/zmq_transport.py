@@ -239,6 +239,21 @@ class ZmqTransport(SameHost, Transport):
         elif not self._control(header):  # an ABORT
             self.mailbox.put(header, payload)
 
+    def raise_news(self, comm_id, seq=None):
+        # Transport.raise_news with the quick look inlined: it runs twice per collective
+        if time.monotonic() - self._monitors_seen >= MONITOR_INTERVAL:
+            self._pump(0)
+        else:
+            channels = self._channels
+            if channels is not None and channels.ready():
+                self._drain_channels()
+            if self._pull_signal.poll(0):
+                self._drain_pull()
+        if seq is None:
+            self.mailbox.raise_late(comm_id)
+        else:
+            self.mailbox.raise_notice(comm_id, seq)
+
     def _glance(self):
         """File what arrived, asking ZeroMQ (a costly option read) only when its descriptor
         says something may have come. Every path that makes the socket process its commands
