@@ -34,7 +34,7 @@ def _lane_plan(info, entry, table):
              and e["shm"].get("id") == mine["id"]}
     if not peers:
         return None
-    return LanePlan(info.shm_slots, info.segment_bytes, mine["token"], peers)
+    return LanePlan(info.shm_slots, info.segment_bytes, mine["token"], peers, info.channel_max_bytes)
 
 
 def _forget_secret_file(info):

@@ -31,6 +31,7 @@ class LanePlan:
     slot_bytes: int
     token: str   # this rank's lane-name token, published in the rendezvous table
     peers: dict  # peer -> that peer's token
+    channel_max_bytes: int = 256 << 10  # messages below this go through a channel (if any)
 
 
 class SameHost:

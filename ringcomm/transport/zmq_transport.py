@@ -14,10 +14,11 @@ communicator calls at the end of every collective; smaller ones (every segment w
 1 MiB segments used across hosts) are copied, which measured faster. Receives take
 ZeroMQ's buffer as it is (``copy=False``); the algorithm reduces or copies straight from it.
 
-Between ranks that share a host and its ``/dev/shm``, segments of ``SHM_MIN_BYTES`` up to
-one slot travel through shared-memory lanes instead (:mod:`.shm`), the receiver reducing
-straight out of the slot; every smaller message and every slot notice travels through a
-shared-memory channel to that peer (:mod:`.channel`), not through ZeroMQ. A rank waiting for
+Between ranks that share a host and its ``/dev/shm``, every message under the lane plan's
+``channel_max_bytes`` and every slot notice travels through a shared-memory channel to that
+peer (:mod:`.channel`), not through ZeroMQ; larger segments, up to one slot, through
+shared-memory lanes (:mod:`.shm`), the receiver reducing straight out of the slot (where the
+channel cannot run, lanes take segments from ``SHM_MIN_BYTES`` up). A rank waiting for
 messages spins briefly on its channels, then sleeps in one poll of its sockets and its
 channels' bells; a sender that finds it asleep writes a byte to the bell. BYE stays on
 ZeroMQ, behind any data sent there, and the receiver empties the sender's channel before it
@@ -58,6 +59,7 @@ ONE_FRAME_BYTES = 64 << 10
 # Segments at least this large go through a shared-memory lane to same-host peers; below
 # it a ZeroMQ copy costs less than the slot bookkeeping.
 SHM_MIN_BYTES = int(os.environ.get("RINGCOMM_SHM_MIN_BYTES", 32 << 10))
+
 # How long close() waits for every peer's goodbye (one that is gone or stopped never sends it)
 CLOSE_WAIT = 1.5
 MONITOR_INTERVAL = 0.005  # how long zero-timeout pumps may skip polling the monitor sockets (s)
@@ -102,10 +104,12 @@ class ZmqTransport(SameHost, Transport):
         self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket and channel bell
         self._bells = {}  # bell file descriptor -> the peer whose channel it belongs to
         self._channel_to = {}  # peer -> the channel this rank sends to it through
-        # payloads below this go through a channel: under SHM_MIN_BYTES, and small enough to
-        # fit one with their header however SHM_MIN_BYTES is set
-        self._inline_below = SHM_MIN_BYTES if self._channels is None else \
-            min(SHM_MIN_BYTES, self._channels.capacity // 2 - 8 - frame.HEADER.size + 1)
+        # payloads below this go through a channel: under the plan's channel_max_bytes, and
+        # small enough to fit one with their header however that is set; lanes take segments
+        # from _lane_min up (ZeroMQ whatever falls between, or when a lane or channel is full)
+        self._inline_below = 0 if self._channels is None else \
+            min(lanes.channel_max_bytes, self._channels.capacity // 2 - 8 - frame.HEADER.size + 1)
+        self._lane_min = max(SHM_MIN_BYTES, self._inline_below)
         self._push, self._monitor_peer = {}, {}
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
@@ -146,7 +150,13 @@ class ZmqTransport(SameHost, Transport):
 
     # -- sending -------------------------------------------------------------------------
     def _send(self, dst, key, sig, payload, nbytes, copy):
-        if nbytes < self._inline_below:
+        inline_below, lane_min = self._inline_below, self._lane_min
+        if key.space == 1:
+            # point-to-point data may wait long for its receive (a pipeline neighbour runs
+            # ahead): in a lane slot it waits where it landed; out of a channel it would be
+            # copied into this rank's heap as soon as the receiver looks
+            inline_below, lane_min = min(inline_below, SHM_MIN_BYTES), SHM_MIN_BYTES
+        if nbytes < inline_below:
             channel = self._channel_to.get(dst)
             if channel is not None:  # the common small message, with fewer calls than _post
                 if dst in self._said_bye:
@@ -154,7 +164,7 @@ class ZmqTransport(SameHost, Transport):
                                    f"communicator", rank=dst)
                 if channel.try_send(frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload):
                     return None
-        elif nbytes >= SHM_MIN_BYTES:
+        elif nbytes >= lane_min:
             lane = self._out_lanes.get(dst)
             if lane is not None and nbytes <= lane.slot_bytes:
                 notice = lane.put(payload)

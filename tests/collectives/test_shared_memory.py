@@ -10,7 +10,8 @@ from harness import RankPool
 
 pytestmark = pytest.mark.timeout(120)
 COUNT = 300_007  # 1.2 MB of float32: many 64 KiB segments, uneven chunks
-SMALL_SEGMENTS = {"RINGCOMM_SEGMENT_BYTES": str(64 << 10)}
+# many small segments, and lanes from 32 KiB (not the channels' 256 KiB): the lanes are tested
+SMALL_SEGMENTS = {"RINGCOMM_SEGMENT_BYTES": str(64 << 10), "RINGCOMM_CHANNEL_MAX_BYTES": str(32 << 10)}
 
 
 def lane_files():
