@@ -54,6 +54,18 @@ def exited_ok(pid, timeout=30):
     return False
 
 
+def reap(pid):
+    """Kill child ``pid`` if it still runs, and collect it."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
 def alive(pid):
     def check():
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -404,14 +416,7 @@ def test_a_receiver_asleep_on_the_bell_wakes_at_once_when_its_sender_is_killed(t
     finally:
         killer.cancel()
         killer.join()
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
+        reap(pid)
     assert 0.25 < elapsed < 0.3 + 1.0, elapsed  # slept until the kill; woke long before 5 s
     assert checks[0] - start > 0.25, "check() ran before the kill: the receiver did not sleep"
     rx.close()
@@ -438,13 +443,6 @@ def test_a_sleeping_receiver_gets_what_a_killed_sender_sent_before_it_died(tmp_p
             rx.recv(check=alive(pid), deadline=start + 20)
         elapsed = time.monotonic() - start
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
+        reap(pid)
     assert elapsed < 0.2 + 1.0, elapsed
     rx.close()
