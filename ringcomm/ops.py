@@ -13,17 +13,24 @@ from enum import Enum
 import numpy as np
 
 from . import kernels
-from .kernels.reference import UFUNCS
+from .kernels.reference import BITWISE, UFUNCS
 
 
 class ReduceOp(str, Enum):
-    """How a collective combines the ranks' values. ``str`` members: ``"sum" == ReduceOp.SUM``."""
+    """How a collective combines the ranks' values. ``str`` members: ``"sum" == ReduceOp.SUM``.
+
+    ``band``, ``bor``, ``bxor``: bitwise and, or, exclusive or, on integer and bool arrays
+    only. On bool arrays ``sum`` and ``max`` are a logical or, ``prod`` and ``min`` an and
+    (numpy's bool arithmetic)."""
 
     SUM = "sum"
     AVG = "avg"
     MAX = "max"
     MIN = "min"
     PROD = "prod"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
 
 _UFUNC = {op: UFUNCS[op.value] for op in ReduceOp}  # by member: `.value` is a slow descriptor
@@ -53,6 +60,8 @@ def _parse_op(op, dtype):
         raise ValueError(f"unknown reduce op {op!r}; expected one of {names}") from None
     if op is ReduceOp.AVG and not np.issubdtype(dtype, np.floating):
         raise TypeError(f"op 'avg' needs a floating dtype, got {np.dtype(dtype).name}")
+    if op.value in BITWISE and not (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.bool_)):
+        raise TypeError(f"op {op.value!r} needs an integer or bool dtype, got {np.dtype(dtype).name}")
     return op
 
 

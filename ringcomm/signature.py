@@ -18,10 +18,11 @@ import numpy as np
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
                "barrier", "point_to_point")
 ALGORITHMS = ("none", "ring", "ps", "rd")
-OPS = ("none", "sum", "avg", "max", "min", "prod")
+# new codes go at the end: a code's meaning never changes
+OPS = ("none", "sum", "avg", "max", "min", "prod", "band", "bor", "bxor")
 DTYPES = tuple(np.dtype(d) for d in (
     "float16", "float32", "float64", "int8", "int16", "int32", "int64",
-    "uint8", "uint16", "uint32", "uint64"))
+    "uint8", "uint16", "uint32", "uint64", "bool"))
 
 _LAYOUT = struct.Struct("<BBBBiQ")
 SIZE = _LAYOUT.size  # 16

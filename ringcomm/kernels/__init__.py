@@ -40,6 +40,7 @@ _REDUCE_OPS = ("sum", "prod", "max", "min")
 def _entry_points():
     """Every ``extern "C" __global__`` name each source defines (checked against the PTX)."""
     reduce_entries = [f"reduce_{op}_{sfx}" for sfx in _SUFFIX.values() for op in _REDUCE_OPS]
+    reduce_entries += [f"reduce_{op}_{sfx}" for sfx in ("i32", "i64") for op in reference.BITWISE]
     reduce_entries += [f"{kind}_{sfx}" for kind in ("scale", "divide") for sfx in ("f16", "f32", "f64")]
     return {
         "reduce": tuple(reduce_entries),
@@ -211,7 +212,7 @@ def reduce(op, acc, incoming):
     name = ref.op_name(op)
     if incoming.dtype != acc.dtype:
         raise TypeError(f"dtypes differ: acc {acc.dtype.name}, incoming {incoming.dtype.name}")
-    _need_dtype(acc, "acc", *_SUFFIX)
+    _need_dtype(acc, "acc", *(("int32", "int64") if name in ref.BITWISE else _SUFFIX))
     _same_size(acc=acc, incoming=incoming)
     kernel_op = "sum" if name == "avg" else name
     a, b = _flat(acc, "acc"), _flat(incoming, "incoming")

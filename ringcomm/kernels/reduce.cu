@@ -5,6 +5,7 @@
 //     divide_*: x[i] = x[i] / divisor           (ringcomm.ops.finalize for avg)
 //
 // Entry points: reduce_{sum,prod,max,min}_{f16,f32,f64,i32,i64}(acc, incoming, n),
+//               reduce_{band,bor,bxor}_{i32,i64}(acc, incoming, n),
 //               scale_{f16,f32,f64}(x, factor, n), divide_{f16,f32,f64}(x, divisor, n).
 // Arrays are flat and contiguous; n is the element count. fp16 scalars are passed as fp32
 // holding an fp16 value (numpy casts a Python scalar to the array's dtype first).
@@ -40,6 +41,15 @@ struct OpSum {
 };
 struct OpProd {
     template <class C> static __device__ __forceinline__ C apply(C a, C b) { return mul(a, b); }
+};
+struct OpBand {  // the bitwise ops: integers only
+    template <class C> static __device__ __forceinline__ C apply(C a, C b) { return a & b; }
+};
+struct OpBor {
+    template <class C> static __device__ __forceinline__ C apply(C a, C b) { return a | b; }
+};
+struct OpBxor {
+    template <class C> static __device__ __forceinline__ C apply(C a, C b) { return a ^ b; }
 };
 // max/min return one of the two operands unchanged (no fp16 re-rounding, NaN payloads
 // kept). NaN wins, and on a tie (-0 vs +0) the pick follows numpy 2.x on x86: the incoming
@@ -107,6 +117,14 @@ RC_REDUCE_ALL_OPS(f32, float)
 RC_REDUCE_ALL_OPS(f64, double)
 RC_REDUCE_ALL_OPS(i32, int)
 RC_REDUCE_ALL_OPS(i64, long long)
+
+#define RC_REDUCE_BITWISE(suffix, T)                                                       \
+    RC_REDUCE_ENTRY(band, reduce_impl, OpBand, suffix, T)                                  \
+    RC_REDUCE_ENTRY(bor, reduce_impl, OpBor, suffix, T)                                    \
+    RC_REDUCE_ENTRY(bxor, reduce_impl, OpBxor, suffix, T)
+
+RC_REDUCE_BITWISE(i32, int)
+RC_REDUCE_BITWISE(i64, long long)
 
 #define RC_SCALE_ENTRIES(suffix, T, S)                                                     \
     extern "C" __global__ void scale_##suffix(T* x, S factor, long long n) {              \

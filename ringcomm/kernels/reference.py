@@ -26,7 +26,9 @@ import numpy as np
 
 # which numpy ufunc each reduce op is (avg adds; finalize divides once): the one table
 # ringcomm.ops and the self-check use too
-UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
+          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+BITWISE = ("band", "bor", "bxor")  # integer and bool dtypes only
 
 REDUCE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 SCALE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))

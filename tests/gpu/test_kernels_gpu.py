@@ -108,6 +108,15 @@ def test_reduce(dtype, op, n, rng):
     assert_same(acc, want, nan_payload=op in ("max", "min"))
 
 
+@pytest.mark.parametrize("op", ["band", "bor", "bxor"])
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_reduce_bitwise(dtype, op, rng):
+    a, b = data(dtype, 100_003, rng), data(dtype, 100_003, rng)
+    acc = cp.asarray(a)
+    assert kernels.reduce(op, acc, cp.asarray(b)) is acc
+    assert_same(acc, ref.reduce(op, a.copy(), b), nan_payload=False)
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_scale_divide_finalize(dtype, rng):
     x = data(dtype, 100_003, rng)

@@ -36,6 +36,7 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "ringcomm" / "kernels"
 EXPECTED_ENTRIES = {
     "reduce": [f"reduce_{op}_{t}" for op in ("sum", "prod", "max", "min")
                for t in ("f16", "f32", "f64", "i32", "i64")]
+    + [f"reduce_{op}_{t}" for op in ("band", "bor", "bxor") for t in ("i32", "i64")]
     + ["scale_f16", "scale_f32", "scale_f64", "divide_f16", "divide_f32", "divide_f64"],
     "adam": ["adam_unscale_check_f16", "adam_unscale_check_f32", "adam_step_f16", "adam_step_f32"],
     "cast": ["cast_f32_to_f16", "cast_f16_to_f32", "unscale_f16_to_f32", "unscale_f32",
@@ -856,6 +857,9 @@ def test_cupy_path_launches_match_the_ptx_signatures(fake_gpu):
     for dtype in ref.REDUCE_DTYPES:
         for op in ("sum", "prod", "max", "min", "avg"):
             kernels.reduce(op, dev(dtype), dev(dtype))
+        if dtype.kind == "i":
+            for op in ref.BITWISE:
+                kernels.reduce(op, dev(dtype), dev(dtype))
         if dtype.kind == "f":
             kernels.scale(dev(dtype), 0.5)
             kernels.finalize("avg", dev(dtype), 4)

@@ -77,13 +77,13 @@ def test_signatures_differ_in_every_field():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "int16", "int32",
-                                   "int64", "uint8", "uint16", "uint32", "uint64"])
+                                   "int64", "uint8", "uint16", "uint32", "uint64", "bool"])
 def test_dtype_supported(dtype):
     assert signature.dtype_supported(dtype)
     assert signature.dtype_supported(np.dtype(dtype).type)
 
 
-@pytest.mark.parametrize("dtype", [np.bool_, np.complex64, np.complex128, "U3", object])
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, "U3", object, "V4"])
 def test_dtype_not_supported(dtype):
     assert not signature.dtype_supported(dtype)
 
@@ -113,10 +113,10 @@ def test_parse_op_names_case_insensitive(name):
 
 @pytest.mark.parametrize("member", list(ReduceOp))
 def test_parse_op_members(member):
-    assert ops.parse_op(member, np.float64) is member
+    assert ops.parse_op(member, np.int64 if member in BITWISE else np.float64) is member
 
 
-@pytest.mark.parametrize("bad", ["mean", "", "sum ", "add", "band", None, 0, 1.5])
+@pytest.mark.parametrize("bad", ["mean", "", "sum ", "add", "and", "xor", None, 0, 1.5])
 def test_parse_op_rejects_unknown(bad):
     with pytest.raises(ValueError, match="unknown reduce op"):
         ops.parse_op(bad, np.float32)
@@ -139,6 +139,33 @@ def test_parse_op_other_ops_on_integers(op):
     assert ops.parse_op(op, np.int32) is ReduceOp(op)
 
 
+@pytest.mark.parametrize("op", ["band", "BOR", ReduceOp.BXOR])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int64, np.bool_])
+def test_parse_op_bitwise_on_integers_and_bools(op, dtype):
+    assert ops.parse_op(op, dtype) is ReduceOp(str(getattr(op, "value", op)).lower())
+
+
+@pytest.mark.parametrize("op", ["band", "bor", "bxor"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_parse_op_bitwise_on_floats_is_type_error(op, dtype):
+    with pytest.raises(TypeError, match="integer or bool"):
+        ops.parse_op(op, dtype)
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_bool_arrays_reduce_as_numpy_does(op):
+    """sum and max are a logical or on bools, prod and min an and; avg is refused."""
+    a = np.array([False, False, True, True])
+    b = np.array([False, True, False, True])
+    if op is ReduceOp.AVG:
+        with pytest.raises(TypeError):
+            ops.parse_op(op, a.dtype)
+        return
+    got = ops.reduce_into(ops.parse_op(op, a.dtype), a.copy(), b)
+    assert got.dtype == np.bool_
+    np.testing.assert_array_equal(got, NUMPY[op](a, b), strict=True)
+
+
 def test_reduce_op_is_str():
     assert ReduceOp.SUM == "sum"
 
@@ -146,7 +173,9 @@ def test_reduce_op_is_str():
 # -- reduce_into / reduced / finalize ------------------------------------------------------------
 
 NUMPY = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum,
-         ReduceOp.MIN: np.minimum, ReduceOp.PROD: np.multiply}
+         ReduceOp.MIN: np.minimum, ReduceOp.PROD: np.multiply, ReduceOp.BAND: np.bitwise_and,
+         ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}
+BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def operands(dtype, seed=0):
@@ -165,6 +194,8 @@ def operands(dtype, seed=0):
                                    np.uint16, np.int64, np.uint64])
 @pytest.mark.parametrize("op", list(ReduceOp))
 def test_reduce_into_matches_numpy(op, dtype):
+    if op in BITWISE and np.issubdtype(dtype, np.floating):
+        pytest.skip("bitwise ops take integers and bools (parse_op refuses floats)")
     a, b = operands(dtype)
     expected = NUMPY[op](a, b)
     acc, b_before = a.copy(), b.copy()
@@ -179,6 +210,8 @@ def test_reduce_into_matches_numpy(op, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.uint8])
 @pytest.mark.parametrize("op", list(ReduceOp))
 def test_reduced_matches_numpy_without_touching_inputs(op, dtype):
+    if op in BITWISE and np.issubdtype(dtype, np.floating):
+        pytest.skip("bitwise ops take integers and bools (parse_op refuses floats)")
     a, b = operands(dtype, seed=1)
     a0, b0 = a.copy(), b.copy()
     with np.errstate(over="ignore"):
