@@ -10,6 +10,7 @@ across ranks by the signature (:mod:`ringcomm.signature`), not here.
 import numpy as np
 
 from . import signature
+from .kernels import reference
 
 
 def check_array(x, name, writable=True, device=None):
@@ -30,6 +31,17 @@ def check_array(x, name, writable=True, device=None):
     if writable and not getattr(x.flags, "writeable", True):
         raise ValueError(f"{name} is read-only, but this collective writes into it")
     return x.reshape(-1)
+
+
+def check_device_reduce(x, op, device):
+    """A reduction of a GPU array runs in ``kernels/reduce.cu``: refuse, before anything is
+    sent, an op and dtype it has no kernel for (rather than failing half-way through)."""
+    if device is not None and device.kind == "gpu" and device.is_array(x) \
+            and not reference.device_reduces(op, x.dtype):
+        raise TypeError(f"op {getattr(op, 'value', op)!r} on a GPU array of dtype {x.dtype} has no "
+                        f"reduce kernel; on the GPU: sum/avg/max/min/prod on "
+                        f"{', '.join(d.name for d in reference.REDUCE_DTYPES)}, band/bor/bxor on "
+                        f"int32 and int64")
 
 
 def check_rank(value, size, name, group="the group"):

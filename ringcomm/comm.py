@@ -30,7 +30,7 @@ import numpy as np
 from . import p2p, signature
 from .algorithms import SCHEDULES, schedule
 from .algorithms.choice import auto_algorithm
-from .checks import check_array, check_pair, check_peer, check_rank
+from .checks import check_array, check_device_reduce, check_pair, check_peer, check_rank
 from .collective import Call
 from .errors import CollectiveMismatch, CommError
 from .link import HOST, Stats
@@ -81,6 +81,7 @@ class Communicator:
         """
         flat = self._array(x, "x")
         op = parse_op(op, x.dtype)
+        check_device_reduce(x, op, self._device)
         return self._collective("all_reduce", algorithm, x.nbytes, x, (flat, op), x, async_op, op=op)
 
     def reduce_scatter(self, out, x, op="sum", algorithm="auto", async_op=False):
@@ -94,6 +95,7 @@ class Communicator:
         flat_out, flat = self._array(out, "out"), self._array(x, "x", writable=False)
         check_pair(out, x, self.rank, x.size, self.world_size * out.size, "x.size", "world_size * out.size")
         op = parse_op(op, x.dtype)
+        check_device_reduce(x, op, self._device)
         return self._collective("reduce_scatter", algorithm, x.nbytes, x, (flat_out, flat, op), out, async_op, op=op)
 
     def all_gather(self, out, x, algorithm="auto", async_op=False):
@@ -129,6 +131,7 @@ class Communicator:
         flat = self._array(x, "x")
         check_rank(root, self.world_size, "root", self.name)
         op = parse_op(op, x.dtype)
+        check_device_reduce(x, op, self._device)
         return self._collective("reduce", algorithm, x.nbytes, x, (flat, root, op), x, async_op, op=op, root=root)
 
     def barrier(self, algorithm="auto", async_op=False):

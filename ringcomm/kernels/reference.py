@@ -34,6 +34,14 @@ REDUCE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "in
 SCALE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))
 
 
+def device_reduces(op, dtype):
+    """Whether reduce.cu has a kernel for ``op`` on ``dtype`` (the bitwise ops: int32, int64)."""
+    dtype = np.dtype(dtype)
+    if op_name(op) in BITWISE:
+        return dtype in (np.dtype(np.int32), np.dtype(np.int64))
+    return dtype in REDUCE_DTYPES
+
+
 def op_name(op):
     """``"sum"`` for ``"sum"``, ``"SUM"`` or ``ReduceOp.SUM``; ValueError for anything else."""
     name = getattr(op, "value", op)

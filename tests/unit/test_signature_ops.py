@@ -266,3 +266,32 @@ def test_reduce_then_finalize_matches_numpy_mean(dtype):
     ops.finalize(ReduceOp.AVG, acc, 5)
     np.testing.assert_allclose(acc, stacked.mean(axis=0, dtype=np.float64),
                                rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+
+
+# -- checks.check_device_reduce --------------------------------------------------------------------
+
+class _Device:
+    """A device of ``kind`` that takes numpy arrays for its own (what the check asks)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def is_array(self, x):
+        return isinstance(x, np.ndarray)
+
+
+@pytest.mark.parametrize("dtype, op", [("int8", "sum"), ("uint64", "max"), ("bool", "bor"),
+                                       ("int16", "band"), ("float32", "sum")])
+def test_a_gpu_reduction_without_a_kernel_is_refused_up_front(dtype, op):
+    """reduce.cu has sum/avg/max/min/prod on f16, f32, f64, i32, i64 and the bitwise ops on
+    i32, i64: anything else on a GPU array raises here, before a collective sends a byte."""
+    from ringcomm.checks import check_device_reduce
+    x = np.zeros(3, dtype)
+    op = ops.parse_op(op, x.dtype)
+    if dtype == "float32":  # has a kernel: no error
+        check_device_reduce(x, op, _Device("gpu"))
+        return
+    with pytest.raises(TypeError, match="no reduce kernel"):
+        check_device_reduce(x, op, _Device("gpu"))
+    check_device_reduce(x, op, _Device("cpu"))  # numpy reduces anything
+    check_device_reduce(x, op, _Device("emulated"))
