@@ -58,18 +58,35 @@ def check_peer(peer, name, tag, rank, size, group="the group"):
         raise ValueError(f"tag must be an integer in [0, 2**32), got {tag!r}")
 
 
-def check_pair(out, x, rank, got, want, got_name, want_name):
-    """``out`` and ``x`` of a reduce-scatter or all-gather: same dtype and type, sizes that
-    fit (``got == want``), and no overlap except NCCL's in-place form (see :func:`in_place`)."""
+def check_pair(out, x, rank, got, want, got_name, want_name, allow_in_place=True):
+    """``out`` and ``x`` of a reduce-scatter, all-gather, gather, scatter or all-to-all: same
+    dtype and type, sizes that fit (``got == want``), and no overlap except NCCL's in-place
+    form (see :func:`in_place`; none at all without ``allow_in_place``)."""
     if out.dtype != x.dtype:
         raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}; they must match")
     if got != want:
         raise ValueError(f"{got_name} = {got} but {want_name} = {want}")
     if type(out) is not type(x):
         raise TypeError(f"out is a {type(out).__name__}, x a {type(x).__name__}; they must match")
-    if _overlap(out, x) and not in_place(out, x, rank):
+    if _overlap(out, x) and not (allow_in_place and in_place(out, x, rank)):
         raise ValueError("out and x overlap; they may only overlap in place, with the small "
                          "buffer being exactly this rank's slice of the large one")
+
+
+def split_sizes(splits, size, n, name):
+    """The ``n`` block lengths of a buffer of ``size`` elements: ``splits`` checked (whole
+    numbers >= 0 that sum to ``size``), or equal blocks when ``splits`` is None."""
+    if splits is None:
+        if size % n:
+            raise ValueError(f"{name}.size = {size} is not divisible by the world size {n}; "
+                             f"pass {name}_splits for uneven blocks")
+        return (size // n,) * n
+    values = list(splits)
+    if len(values) != n or not all(isinstance(v, (int, np.integer)) and v >= 0 for v in values):
+        raise ValueError(f"{name}_splits must be {n} whole numbers >= 0, got {splits!r}")
+    if sum(values) != size:
+        raise ValueError(f"{name}_splits sum to {sum(values)}, but {name}.size = {size}")
+    return tuple(int(v) for v in values)
 
 
 def in_place(out, x, rank):

@@ -30,7 +30,7 @@ import numpy as np
 from . import p2p, signature
 from .algorithms import SCHEDULES, schedule
 from .algorithms.choice import auto_algorithm
-from .checks import check_array, check_device_reduce, check_pair, check_peer, check_rank
+from .checks import check_array, check_device_reduce, check_pair, check_peer, check_rank, split_sizes
 from .collective import Call
 from .errors import CollectiveMismatch, CommError
 from .link import HOST, Stats
@@ -134,6 +134,76 @@ class Communicator:
         check_device_reduce(x, op, self._device)
         return self._collective("reduce", algorithm, x.nbytes, x, (flat, root, op), x, async_op, op=op, root=root)
 
+    def gather(self, out, x, root=0, algorithm="auto", async_op=False):
+        """``out`` on ``root`` gets every rank's ``x`` in rank order (``out.size == world_size
+        * x.size`` there); ``out`` elsewhere is not used (may be None). Returns ``out``. The
+        root receives (n−1)·|x|, every other rank sends |x|.
+
+        >>> x = np.array([rank])             # rank 0: [0], rank 1: [1]
+        >>> comm.gather(out, x, root=0)      # rank 0: out == [0, 1]
+        """
+        flat = self._array(x, "x", writable=False)
+        check_rank(root, self.world_size, "root", self.name)
+        flat_out = None
+        if self.rank == root:
+            flat_out = self._array(out, "out")
+            check_pair(out, x, self.rank, out.size, self.world_size * x.size, "out.size", "world_size * x.size")
+        return self._collective("gather", algorithm, x.nbytes, x, (flat_out, flat, root), out, async_op, root=root)
+
+    def scatter(self, out, x, root=0, algorithm="auto", async_op=False):
+        """``out`` on every rank gets its slice of ``root``'s ``x`` (``x.size == world_size *
+        out.size`` there; rank r gets ``x[r*out.size:(r+1)*out.size]``); ``x`` elsewhere is not
+        used (may be None). Returns ``out``. The root sends (n−1)·|out|.
+
+        >>> x = np.array([10, 11])           # on rank 0
+        >>> comm.scatter(out, x, root=0)     # rank 0: out == [10], rank 1: [11]
+        """
+        flat_out = self._array(out, "out")
+        check_rank(root, self.world_size, "root", self.name)
+        flat = None
+        if self.rank == root:
+            flat = self._array(x, "x", writable=False)
+            check_pair(out, x, self.rank, x.size, self.world_size * out.size, "x.size", "world_size * out.size")
+        return self._collective("scatter", algorithm, out.nbytes, out, (flat_out, flat, root), out, async_op, root=root)
+
+    def all_to_all(self, out, x, out_splits=None, in_splits=None, algorithm="auto", async_op=False):
+        """Rank r's block for rank s lands in rank s's ``out`` in rank order. ``in_splits[s]``:
+        elements this rank sends to rank s (they sum to ``x.size``), ``out_splits[s]``:
+        elements it receives from rank s (they sum to ``out.size``); None: equal blocks
+        (``x.size`` divisible by the world size). Uneven splits are first checked across ranks
+        (one small all-gather): rank r's ``in_splits[s]`` must be rank s's ``out_splits[r]``.
+        Returns ``out``. n−1 steps; (n−1)/n of ``x`` sent for equal splits.
+
+        >>> # 2 ranks: x = [a0, a1] on rank 0, [b0, b1] on rank 1
+        >>> comm.all_to_all(out, x)          # rank 0: out == [a0, b0]; rank 1: [a1, b1]
+        """
+        flat_out, flat = self._array(out, "out"), self._array(x, "x", writable=False)
+        n = self.world_size
+        outs, ins = split_sizes(out_splits, out.size, n, "out"), split_sizes(in_splits, x.size, n, "x")
+        check_pair(out, x, self.rank, 0, 0, "", "", allow_in_place=False)
+        count = x.size
+        if out_splits is not None or in_splits is not None:
+            self._agree_splits(outs, ins)
+            count = 0  # the ranks' sizes may differ; the splits were agreed above
+        elif out.size != x.size:
+            raise ValueError(f"out.size = {out.size} but x.size = {x.size}; equal splits need them equal")
+        return self._collective("all_to_all", algorithm, x.nbytes, x, (flat_out, flat, outs, ins), out,
+                                async_op, count=count)
+
+    def _agree_splits(self, outs, ins):
+        """Every rank's splits, all-gathered: CollectiveMismatch on every rank if any rank's
+        in_splits[s] differs from rank s's out_splits[r]."""
+        n = self.world_size
+        mine = np.array(list(ins) + list(outs), np.int64)
+        table = np.empty(2 * n * n, np.int64)
+        self.all_gather(table, mine)
+        table = table.reshape(n, 2, n)  # [rank, in/out, peer]
+        bad = [(r, s) for r in range(n) for s in range(n) if table[r, 0, s] != table[s, 1, r]]
+        if bad:
+            r, s = bad[0]
+            raise CollectiveMismatch(f"all_to_all on {self.name}: rank {r} sends {table[r, 0, s]} elements "
+                                     f"to rank {s}, which expects {table[s, 1, r]} from it")
+
     def barrier(self, algorithm="auto", async_op=False):
         """Returns once every rank of the group has entered. ``auto``/``rd``: dissemination,
         ceil(log2 n) rounds; ``ring``/``ps``: an empty all-reduce with that algorithm."""
@@ -236,10 +306,11 @@ class Communicator:
         if self._closed or self._engine.closed:
             raise CommError(f"{self.name}: communicator is closed")
 
-    def _collective(self, collective, algorithm, nbytes, x, args, result, async_op, op=None, root=None):
+    def _collective(self, collective, algorithm, nbytes, x, args, result, async_op, op=None, root=None,
+                    count=None):
         """Run the schedule ``algorithm`` names for ``collective`` (``auto`` picks by
         ``nbytes``) as ``schedule(link, *args)``; ``x`` is the array every rank signs for
-        (dtype, element count), with ``op`` and ``root``."""
+        (dtype, element count or ``count``), with ``op`` and ``root``."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         if algorithm == "auto":
@@ -248,7 +319,7 @@ class Communicator:
         run = self._schedules.get((algorithm, collective))
         if run is None:
             run = self._schedules[(algorithm, collective)] = schedule(algorithm, collective)
-        sig = signature.pack(collective, x.dtype, op, algorithm, root or 0, x.size)
+        sig = signature.pack(collective, x.dtype, op, algorithm, root or 0, x.size if count is None else count)
         if root is not None:
             # some ranks of a rooted collective only send, so a rank that disagrees on the
             # root could finish without noticing: agreeing first fails the call on every rank

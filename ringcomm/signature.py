@@ -16,7 +16,7 @@ import numpy as np
 # both ends of a point-to-point transfer sign it "point_to_point": a receiver checks each
 # frame's signature against its own, so a send and its recv must sign alike
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
-               "barrier", "point_to_point")
+               "barrier", "point_to_point", "gather", "scatter", "all_to_all")
 ALGORITHMS = ("none", "ring", "ps", "rd")
 # new codes go at the end: a code's meaning never changes
 OPS = ("none", "sum", "avg", "max", "min", "prod", "band", "bor", "bxor")

@@ -28,6 +28,8 @@ def auto_algorithm(collective, n, nbytes, local=False):
     host's lanes."""
     if collective == "barrier":
         return "rd"
+    if collective in ("gather", "scatter"):
+        return "ps"  # straight to or from the root: each byte makes one hop
     if collective == "all_reduce" and n > 1:
         return "rd" if nbytes <= (LOCAL_ALL_REDUCE_RD_BYTES if local else SMALL_MESSAGE_BYTES) else "ring"
     if collective in ("broadcast", "reduce") and nbytes <= SMALL_MESSAGE_BYTES:

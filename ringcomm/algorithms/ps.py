@@ -8,8 +8,9 @@ All-reduce on n ranks, buffer of S bytes, root 0:
 
 Traffic: the root receives (n−1)·S and sends (n−1)·S, growing with n; every other rank
 sends S and receives S. That hot spot is what the ring removes (compare :mod:`.ring`).
-Reduce-scatter and all-gather go through rank 0 (the *server*) the same way; broadcast and
-reduce talk to their root directly.
+Reduce-scatter and all-gather go through rank 0 (the *server*) the same way; broadcast,
+reduce, gather and scatter talk to their root directly (the root sends or receives
+(n−1)·S/n of an S-byte ``out``/``x``, every other rank S/n).
 """
 import numpy as np
 
@@ -100,9 +101,34 @@ def all_gather(link, out, x, root=SERVER):
     _scatter_from(link, root, [out] * n, 1)
 
 
+def gather(link, out, x, root):
+    """``out`` on ``root`` gets every rank's ``x`` in rank order; the others only send."""
+    r, m = link.rank, x.size
+    if r != root:
+        for j, sl in enumerate(segments(m, x.itemsize, link.segment_bytes)):
+            link.send(root, 0, j, x[sl])
+        return
+    out[r * m:(r + 1) * m] = x
+    for peer in range(link.size):
+        if peer != root:
+            _receive_from(link, peer, out[peer * m:(peer + 1) * m], 0)
+
+
+def scatter(link, out, x, root):
+    """``out`` on every rank gets its slice of ``root``'s ``x`` (slice r: ``x[r*m:(r+1)*m]``,
+    m = out.size); ``x`` is read on the root only."""
+    r, n, m = link.rank, link.size, out.size
+    if r != root:
+        _receive_from(link, root, out, 0)
+        return
+    _scatter_from(link, root, [x[p * m:(p + 1) * m] for p in range(n)], 0)
+    out[...] = x[r * m:(r + 1) * m]
+
+
 def barrier(link):
     """Returns once every rank has entered: an empty all-reduce through the server."""
     all_reduce(link, _EMPTY, ReduceOp.SUM)
 
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier"]
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "scatter",
+           "barrier"]

@@ -173,4 +173,28 @@ def barrier(link):
     all_reduce(link, _EMPTY, ReduceOp.SUM)
 
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier"]
+def all_to_all(link, out, x, out_splits, in_splits):
+    """Rank r's block for rank s (``x`` from offset sum(in_splits[:s]), ``in_splits[s]``
+    elements) lands in rank s's ``out`` at offset sum(out_splits[:r]). In ring order: in step
+    k (1..n−1) rank r sends its block for r+k and receives the block of r−k, so every pair
+    exchanges once and each step's traffic is a shifted ring. n−1 steps; every rank sends
+    what it does not keep, (n−1)/n·S for equal splits of an S-byte ``x``.
+
+    >>> # 2 ranks, equal splits: x = [a0, a1] on rank 0, [b0, b1] on rank 1
+    >>> all_to_all(link, out, x, [1, 1], [1, 1])   # rank 0: out = [a0, b0]; rank 1: [a1, b1]
+    """
+    n, r = link.size, link.rank
+    out_at = [sum(out_splits[:i]) for i in range(n)]
+    in_at = [sum(in_splits[:i]) for i in range(n)]
+    out[out_at[r]:out_at[r] + out_splits[r]] = x[in_at[r]:in_at[r] + in_splits[r]]
+    for k in range(1, n):
+        dst, src = (r + k) % n, (r - k) % n
+        block = x[in_at[dst]:in_at[dst] + in_splits[dst]]
+        for j, sl in enumerate(segments(block.size, x.itemsize, link.segment_bytes)):
+            link.send(dst, k, j, block[sl])
+        into = out[out_at[src]:out_at[src] + out_splits[src]]
+        for j, sl in enumerate(segments(into.size, out.itemsize, link.segment_bytes)):
+            into[sl] = link.recv(src, k, j, sl.stop - sl.start)
+
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "barrier"]
