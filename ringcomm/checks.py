@@ -39,9 +39,9 @@ def check_device_reduce(x, op, device):
     if device is not None and device.kind == "gpu" and device.is_array(x) \
             and not reference.device_reduces(op, x.dtype):
         raise TypeError(f"op {getattr(op, 'value', op)!r} on a GPU array of dtype {x.dtype} has no "
-                        f"reduce kernel; on the GPU: sum/avg/max/min/prod on "
-                        f"{', '.join(d.name for d in reference.REDUCE_DTYPES)}, band/bor/bxor on "
-                        f"int32 and int64")
+                        f"reduce kernel. On the GPU: sum/max/min/prod on float16/32/64, int32, "
+                        f"int64; avg on float16/32/64; band/bor/bxor on int32, int64 (or reduce a "
+                        f"numpy copy on the host)")
 
 
 def check_rank(value, size, name, group="the group"):

@@ -40,7 +40,8 @@ _PARSED = {}  # (op as given, dtype) -> ReduceOp: parsed once, looked up on ever
 def parse_op(op, dtype):
     """Return the :class:`ReduceOp` for ``op`` (a name or member), checked against ``dtype``.
 
-    Raises ``ValueError`` for an unknown op and ``TypeError`` for ``avg`` on integers.
+    Raises ``ValueError`` for an unknown op, ``TypeError`` for ``avg`` on integers or bools
+    and for a bitwise op on floats.
     """
     try:
         return _PARSED[(op, dtype)]

@@ -295,3 +295,13 @@ def test_a_gpu_reduction_without_a_kernel_is_refused_up_front(dtype, op):
         check_device_reduce(x, op, _Device("gpu"))
     check_device_reduce(x, op, _Device("cpu"))  # numpy reduces anything
     check_device_reduce(x, op, _Device("emulated"))
+
+
+def test_wire_codes_only_grow_at_the_end():
+    """A code's meaning never changes: what older ranks sent still decodes the same."""
+    assert signature.OPS[:6] == ("none", "sum", "avg", "max", "min", "prod")
+    assert [d.name for d in signature.DTYPES[:11]] == [
+        "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+        "uint8", "uint16", "uint32", "uint64"]
+    assert signature.COLLECTIVES[:7] == ("all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                         "reduce", "barrier", "point_to_point")
