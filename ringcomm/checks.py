@@ -73,19 +73,20 @@ def check_pair(out, x, rank, got, want, got_name, want_name, allow_in_place=True
                          "buffer being exactly this rank's slice of the large one")
 
 
-def split_sizes(splits, size, n, name):
-    """The ``n`` block lengths of a buffer of ``size`` elements: ``splits`` checked (whole
-    numbers >= 0 that sum to ``size``), or equal blocks when ``splits`` is None."""
+def split_sizes(splits, size, n, name, param):
+    """The ``n`` block lengths of buffer ``name`` of ``size`` elements: ``splits`` (the
+    argument ``param``) checked (whole numbers >= 0 that sum to ``size``), or equal blocks
+    when ``splits`` is None."""
     if splits is None:
         if size % n:
             raise ValueError(f"{name}.size = {size} is not divisible by the world size {n}; "
-                             f"pass {name}_splits for uneven blocks")
+                             f"pass {param} for uneven blocks")
         return (size // n,) * n
     values = list(splits)
     if len(values) != n or not all(isinstance(v, (int, np.integer)) and v >= 0 for v in values):
-        raise ValueError(f"{name}_splits must be {n} whole numbers >= 0, got {splits!r}")
+        raise ValueError(f"{param} must be {n} whole numbers >= 0, got {splits!r}")
     if sum(values) != size:
-        raise ValueError(f"{name}_splits sum to {sum(values)}, but {name}.size = {size}")
+        raise ValueError(f"{param} sum to {sum(values)}, but {name}.size = {size}")
     return tuple(int(v) for v in values)
 
 

@@ -8,7 +8,8 @@ a schedule by name (:func:`ringcomm.algorithms.schedule`), and hands one
 ``async_op=True`` returns a :class:`~ringcomm.engine.Work` handle instead of waiting.
 
 Algorithms (``algorithm=``): ``"ring"`` (ring reduce-scatter + all-gather; a pipelined chain
-for broadcast and reduce), ``"ps"`` (parameter server: everything through one rank),
+for broadcast and reduce; all-to-all in ring order), ``"ps"`` (parameter server: everything
+through one rank; gather and scatter straight to or from their root),
 ``"rd"`` (recursive doubling: all-reduce and barrier), ``"auto"`` (few-hop schedules for
 small messages, the ring otherwise; see :func:`ringcomm.algorithms.choice.auto_algorithm`).
 
@@ -171,24 +172,37 @@ class Communicator:
         elements this rank sends to rank s (they sum to ``x.size``), ``out_splits[s]``:
         elements it receives from rank s (they sum to ``out.size``); None: equal blocks
         (``x.size`` divisible by the world size). Uneven splits are first checked across ranks
-        (one small all-gather): rank r's ``in_splits[s]`` must be rank s's ``out_splits[r]``.
-        Returns ``out``. n−1 steps; (n−1)/n of ``x`` sent for equal splits.
+        (one small all-gather, run before the call returns even with ``async_op=True``, and
+        counted in ``stats()``): rank r's ``in_splits[s]`` must be rank s's ``out_splits[r]``;
+        every rank passes splits, or none does. Returns ``out``. n−1 steps; (n−1)/n of ``x``
+        sent for equal splits.
 
         >>> # 2 ranks: x = [a0, a1] on rank 0, [b0, b1] on rank 1
         >>> comm.all_to_all(out, x)          # rank 0: out == [a0, b0]; rank 1: [a1, b1]
         """
         flat_out, flat = self._array(out, "out"), self._array(x, "x", writable=False)
         n = self.world_size
-        outs, ins = split_sizes(out_splits, out.size, n, "out"), split_sizes(in_splits, x.size, n, "x")
+        outs = split_sizes(out_splits, out.size, n, "out", "out_splits")
+        ins = split_sizes(in_splits, x.size, n, "x", "in_splits")
         check_pair(out, x, self.rank, 0, 0, "", "", allow_in_place=False)
-        count = x.size
-        if out_splits is not None or in_splits is not None:
+        if algorithm not in ALGORITHMS:  # refused here, before the splits are exchanged
+            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+        schedule("ring" if algorithm == "auto" else algorithm, "all_to_all")
+        if out_splits is None and in_splits is None:
+            if out.size != x.size:
+                raise ValueError(f"out.size = {out.size} but x.size = {x.size}; equal splits need them equal")
+            return self._collective("all_to_all", algorithm, x.nbytes, x, (flat_out, flat, outs, ins), out,
+                                    async_op)
+        self._check_open()
+        user = self._threads.enter("all_to_all")  # one claim over both collectives
+        try:
             self._agree_splits(outs, ins)
-            count = 0  # the ranks' sizes may differ; the splits were agreed above
-        elif out.size != x.size:
-            raise ValueError(f"out.size = {out.size} but x.size = {x.size}; equal splits need them equal")
-        return self._collective("all_to_all", algorithm, x.nbytes, x, (flat_out, flat, outs, ins), out,
-                                async_op, count=count)
+            # signed for count 0 (the ranks' sizes differ; the splits were agreed above); the
+            # array that has data decides whether the call is staged on a device
+            return self._collective("all_to_all", algorithm, x.nbytes, x if x.size else out,
+                                    (flat_out, flat, outs, ins), out, async_op, count=0)
+        finally:
+            self._threads.leave(user)
 
     def _agree_splits(self, outs, ins):
         """Every rank's splits, all-gathered: CollectiveMismatch on every rank if any rank's

@@ -64,6 +64,6 @@ def describe(sig):
         parts.append(f"op={name(OPS, o)}")
     if a:
         parts.append(f"algorithm={name(ALGORITHMS, a)}")
-    if name(COLLECTIVES, c) in ("broadcast", "reduce"):
+    if name(COLLECTIVES, c) in ("broadcast", "reduce", "gather", "scatter"):
         parts.append(f"root={root}")
     return f"{name(COLLECTIVES, c)}({', '.join(parts)})"

@@ -2,8 +2,10 @@
 size, the segment size, send and receive of array segments to group peers) and flat 1-D
 views of the caller's buffers; they know nothing of sockets, threads or argument checking.
 
-- :mod:`.ring`: ring reduce-scatter / all-gather / all-reduce, chain broadcast and reduce.
-- :mod:`.ps`: the parameter-server baseline, everything through one rank.
+- :mod:`.ring`: ring reduce-scatter / all-gather / all-reduce, chain broadcast and reduce,
+  all-to-all in ring order.
+- :mod:`.ps`: the parameter-server baseline, everything through one rank; gather and
+  scatter through their root.
 - :mod:`.rd`: recursive doubling for small all-reduces, the dissemination barrier.
 - :mod:`.choice`: which of them ``algorithm="auto"`` runs, and the all-reduce byte formulas.
 

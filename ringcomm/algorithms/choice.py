@@ -24,8 +24,8 @@ LOCAL_ALL_REDUCE_RD_BYTES = 1 << 20
 def auto_algorithm(collective, n, nbytes, local=False):
     """What ``algorithm="auto"`` runs: few-hop schedules for small messages (recursive
     doubling for all-reduce, the parameter server for broadcast and reduce), the ring
-    otherwise; the dissemination barrier. ``local``: every rank of the group shares this
-    host's lanes."""
+    otherwise (all-to-all too); gather and scatter straight through their root; the
+    dissemination barrier. ``local``: every rank of the group shares this host's lanes."""
     if collective == "barrier":
         return "rd"
     if collective in ("gather", "scatter"):

@@ -9,8 +9,8 @@ All-reduce on n ranks, buffer of S bytes, root 0:
 Traffic: the root receives (n−1)·S and sends (n−1)·S, growing with n; every other rank
 sends S and receives S. That hot spot is what the ring removes (compare :mod:`.ring`).
 Reduce-scatter and all-gather go through rank 0 (the *server*) the same way; broadcast,
-reduce, gather and scatter talk to their root directly (the root sends or receives
-(n−1)·S/n of an S-byte ``out``/``x``, every other rank S/n).
+reduce, gather and scatter talk to their root directly (gather and scatter of an S-byte
+``out``/``x``: the root receives or sends (n−1)·S/n, every other rank S/n).
 """
 import numpy as np
 

@@ -74,3 +74,27 @@ def test_device_selection():
         assert select("auto").kind == "cpu"
         with pytest.raises(ValueError, match="needs CuPy and a CUDA device"):
             select("gpu")
+
+
+def receive_only_all_to_all(comm):
+    """Rank 0 sends nothing and receives 4 elements from rank 1: its call must still be
+    staged (its received block is copied in as device memory)."""
+    r = comm.rank
+    ins = [0, 0] if r == 0 else [4, 0]
+    outs = [0, 4] if r == 0 else [0, 0]
+    x = np.full(sum(ins), 7.0, np.float32)
+    out = np.zeros(sum(outs), np.float32)
+    before = comm._device.copies_in  # what the splits' agreement (an all-gather) copies in
+    comm.all_gather(np.empty(2 * 2 * comm.world_size, np.int64), np.zeros(2 * comm.world_size, np.int64))
+    agreement = comm._device.copies_in - before
+    before = comm._device.copies_in
+    comm.all_to_all(out, x, out_splits=outs, in_splits=ins)
+    return out, comm._device.copies_in - before - agreement
+
+
+def test_an_uneven_all_to_all_that_only_receives_is_staged(emulated):
+    if emulated.world_size != 2:
+        pytest.skip("the case is written for two ranks")
+    (out, copies), _ = emulated.run(receive_only_all_to_all)
+    assert np.array_equal(out, np.full(4, 7.0, np.float32))
+    assert copies == 1, "rank 0's received block did not go through the device's copy-in"

@@ -167,3 +167,35 @@ def test_bad_arguments_raise_before_anything_is_sent(pools):
     for raised, sent in pools(3).run(misuse):
         assert all(raised.values()), [k for k, v in raised.items() if v is None]
         assert sent == 0
+
+
+def root_disagreement(comm):
+    try:
+        x = np.ones(2, np.float32)
+        comm.gather(np.empty(2 * comm.world_size, np.float32), x, root=comm.rank)
+    except CollectiveMismatch as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_disagree_on_the_root_are_told_which_roots(pools):
+    for message in pools(2).run(root_disagreement):
+        assert message is not None and "root=0" in message and "root=1" in message
+
+
+def uneven_with_a_wrong_algorithm(comm):
+    n = comm.world_size
+    sent = comm.stats()["messages_sent"]
+    errors = []
+    for algorithm in ("ps", "tree"):
+        try:
+            comm.all_to_all(np.empty(n), np.ones(n), out_splits=[1] * n, in_splits=[1] * n, algorithm=algorithm)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors, comm.stats()["messages_sent"] - sent
+
+
+def test_an_uneven_all_to_all_refuses_a_wrong_algorithm_before_the_splits_travel(pools):
+    for errors, sent in pools(3).run(uneven_with_a_wrong_algorithm):
+        assert len(errors) == 2 and "runs with: auto, ring" in errors[0] and "unknown algorithm" in errors[1]
+        assert sent == 0

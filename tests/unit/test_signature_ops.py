@@ -22,7 +22,7 @@ def expected_description(collective, dtype, op, algorithm, root, count):
         parts.append(f"op={getattr(op, 'value', op)}")
     if algorithm not in (None, "none"):
         parts.append(f"algorithm={algorithm}")
-    if collective in ("broadcast", "reduce"):
+    if collective in ("broadcast", "reduce", "gather", "scatter"):
         parts.append(f"root={root}")
     return f"{collective}({', '.join(parts)})"
 
