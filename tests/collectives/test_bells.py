@@ -9,7 +9,9 @@ import textwrap
 
 import pytest
 
-from harness import spawn_job
+import numpy as np
+
+from harness import RankPool, spawn_job
 from ringcomm.transport import channel
 
 pytestmark = [pytest.mark.timeout(60),
@@ -159,3 +161,50 @@ def test_messages_too_large_for_a_channel_go_another_way_whatever_the_lane_thres
     results = spawn_job(script, 2, env={"RINGCOMM_SHM_MIN_BYTES": str(4 << 20)}, timeout=45)
     for code, out, err in results:
         assert code == 0 and "ok" in out, err
+
+
+DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+          "uint32", "uint64", "bool"]
+
+
+def ops_for(dtype):
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return ["sum", "max", "min", "prod", "band", "bor", "bxor"]
+    return ["sum", "max", "min", "prod"] + (["avg"] if kind == "f" else ["band", "bor", "bxor"])
+
+
+def every_dtype_and_op(comm):
+    """All-reduce every dtype with every op it takes, through each algorithm; the raw bytes
+    and whether the channels carried them."""
+    results = {}
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for algorithm in ("ring", "rd", "ps"):
+                rng = np.random.default_rng([comm.rank, DTYPES.index(dtype)])
+                x = rng.integers(0, 256, 3000 * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
+                if dtype == "bool":
+                    x = x.astype(bool)
+                with np.errstate(all="ignore"):
+                    comm.all_reduce(x, op=op, algorithm=algorithm)
+                results[(dtype, op, algorithm)] = x.tobytes()
+    channels = comm._engine.transport._channels
+    return results, channels is not None and bool(channels._in_list)
+
+
+def test_every_dtype_and_op_through_the_channels_is_bitwise_what_zeromq_gives():
+    """The same inputs all-reduced with the channels (the default) and with every byte
+    through ZeroMQ (RINGCOMM_SHM=0): identical bytes on every rank, NaN payloads included."""
+    runs = {}
+    for shm in ("1", "0"):
+        pool = RankPool(3, env={"RINGCOMM_SHM": shm})
+        try:
+            runs[shm] = pool.run(every_dtype_and_op)
+        finally:
+            pool.close()
+    assert all(used for _, used in runs["1"]) and not any(used for _, used in runs["0"])
+    for rank in range(3):
+        with_channels, through_zmq = runs["1"][rank][0], runs["0"][rank][0]
+        assert with_channels.keys() == through_zmq.keys()
+        differing = [key for key in with_channels if with_channels[key] != through_zmq[key]]
+        assert not differing, differing[:5]
