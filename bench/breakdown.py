@@ -20,7 +20,6 @@ end-to-end time: the rest is the glue between the pieces (Python calls and looku
 pieces do not include) and the wait for the peer.
 """
 import argparse
-import functools
 import os
 import re
 import subprocess
@@ -88,7 +87,6 @@ def pieces(size):
     mailbox = Mailbox(1 << 20, 2)
     tx, rx = Channel.pair(1 << 20)
     lock = threading.Lock()
-    new_key = functools.partial(tuple.__new__, Key)  # as Link builds its keys
 
     class Transport:
         def started(self, comm_id, seq):
@@ -123,7 +121,7 @@ def pieces(size):
         ("Call object", 1, lambda: Call(None, None, 0, 5, sig, x.dtype, "w", None, None)),
         ("Link object", 1, link),
         ("segments", 1, lambda: segments(x.size, 4, 1 << 20)),
-        ("Key (send and receive)", 2, lambda: new_key((1, 0, 5, 1, 0))),
+        ("Key (send and receive)", 2, lambda: frame.new_key((1, 0, 5, 1, 0))),
         ("header pack", 1, lambda: frame.pack(Kind.DATA, 1, key, x.nbytes, sig)),
         ("channel: copy in, fence, copy out", 1, channel_round_trip),
         ("fence alone (inside the above)", 0, fence),
@@ -150,7 +148,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.size, args.calls)
-    sys.path.insert(0, HERE)
     import transport as bench_transport
     total = end_to_end(args.size, args.calls)
     floor = bench_transport.flag_floor()

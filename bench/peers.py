@@ -39,6 +39,7 @@ import time
 import numpy as np
 
 import benchlib as bl
+from ringcomm.launch.config import free_port
 from ringcomm.units import human
 import control
 import peer_floor
@@ -109,7 +110,7 @@ def start(library, n, address, logs):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), OMP_NUM_THREADS="1")
             job.start([sys.executable, "-u", script, "--control", address, "--mapping", job.mapping], env=env)
     elif library == "gloo":
-        port = free_port()
+        port = free_port("127.0.0.1")
         for rank in range(n):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
                        LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -122,11 +123,6 @@ def start(library, n, address, logs):
                    "--control", address], env=dict(os.environ, OMP_NUM_THREADS="1"))
     return job
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_world(n, args, logs):

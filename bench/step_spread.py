@@ -15,13 +15,14 @@ ringcomm runs ``python -m ringcomm.launch --nproc N -m ringcomm.train --strategy
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from ringcomm.launch.config import free_port
 
 WARMUP = 5
 
@@ -61,14 +62,9 @@ def torch_worker(args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_torch(args, out):
-    port = free_port()
+    port = free_port("127.0.0.1")
     procs = []
     for rank in range(args.nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),

@@ -36,7 +36,7 @@ def check_array(x, name, writable=True, device=None):
 def check_device_reduce(x, op, device):
     """A reduction of a GPU array runs in ``kernels/reduce.cu``: refuse, before anything is
     sent, an op and dtype it has no kernel for (rather than failing half-way through)."""
-    if device is not None and device.kind == "gpu" and device.is_array(x) \
+    if device.kind == "gpu" and device.is_array(x) \
             and not reference.device_reduces(op, x.dtype):
         raise TypeError(f"op {getattr(op, 'value', op)!r} on a GPU array of dtype {x.dtype} has no "
                         f"reduce kernel. On the GPU: sum/max/min/prod on float16/32/64, int32, "

@@ -82,7 +82,6 @@ class Communicator:
         """
         flat = self._array(x, "x")
         op = parse_op(op, x.dtype)
-        check_device_reduce(x, op, self._device)
         return self._collective("all_reduce", algorithm, x.nbytes, x, (flat, op), x, async_op, op=op)
 
     def reduce_scatter(self, out, x, op="sum", algorithm="auto", async_op=False):
@@ -96,7 +95,6 @@ class Communicator:
         flat_out, flat = self._array(out, "out"), self._array(x, "x", writable=False)
         check_pair(out, x, self.rank, x.size, self.world_size * out.size, "x.size", "world_size * out.size")
         op = parse_op(op, x.dtype)
-        check_device_reduce(x, op, self._device)
         return self._collective("reduce_scatter", algorithm, x.nbytes, x, (flat_out, flat, op), out, async_op, op=op)
 
     def all_gather(self, out, x, algorithm="auto", async_op=False):
@@ -132,7 +130,6 @@ class Communicator:
         flat = self._array(x, "x")
         check_rank(root, self.world_size, "root", self.name)
         op = parse_op(op, x.dtype)
-        check_device_reduce(x, op, self._device)
         return self._collective("reduce", algorithm, x.nbytes, x, (flat, root, op), x, async_op, op=op, root=root)
 
     def gather(self, out, x, root=0, algorithm="auto", async_op=False):
@@ -325,6 +322,8 @@ class Communicator:
         """Run the schedule ``algorithm`` names for ``collective`` (``auto`` picks by
         ``nbytes``) as ``schedule(link, *args)``; ``x`` is the array every rank signs for
         (dtype, element count or ``count``), with ``op`` and ``root``."""
+        if op is not None:  # a reduction: on a GPU, only what reduce.cu can do
+            check_device_reduce(x, op, self._device)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         if algorithm == "auto":

@@ -222,7 +222,7 @@ class Engine:
         full memory barrier, which is what ZeroMQ asks for when a socket changes threads).
         """
         work = Work(fn, what)
-        if inline and self._pending == 0 and not self._deferred and self._busy.acquire(blocking=False):
+        if inline and self.hold():
             work.inline = True
             return work
         self._pending += 1

@@ -8,13 +8,12 @@ that what arrives has the dtype and length this rank expects, and counts payload
 >>> link.send(0, step=0, segment=0, array=x[:4]); y = link.recv(0, 0, 0, count=4)
 """
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
 from .device import HostDevice
 from .errors import CollectiveMismatch, CommTimeout
-from .transport.frame import Key
+from .transport.frame import Key, new_key
 
 
 @dataclass
@@ -32,7 +31,6 @@ class Stats:
 
 
 HOST = HostDevice()
-_key = partial(tuple.__new__, Key)  # Key((...)) without the namedtuple's Python-level __new__
 AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches it
 
 
@@ -57,7 +55,7 @@ class Link:
     def send(self, peer, step, segment, array, copy=False):
         """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
         zero-copy unless ``copy``: do not modify them before the collective ends."""
-        key = _key((self.comm_id, self.space, self.seq, step, segment))
+        key = new_key((self.comm_id, self.space, self.seq, step, segment))
         device = self.device
         if device.staged:
             # a staged segment is copied by the transport before send returns: the staging
@@ -71,7 +69,7 @@ class Link:
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
         array over the received buffer (on the device, for device collectives). With
         ``wait=False``: ``None`` if not arrived yet."""
-        key = _key((self.comm_id, self.space, self.seq, step, segment))
+        key = new_key((self.comm_id, self.space, self.seq, step, segment))
         payload = self._take(self.ranks[peer], key, wait)
         if payload is None:
             return None

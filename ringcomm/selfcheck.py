@@ -35,11 +35,11 @@ import zlib
 import numpy as np
 
 import ringcomm
-from ringcomm.kernels.reference import UFUNCS
+from ringcomm.kernels.reference import BITWISE, UFUNCS
 from ringcomm.units import human, parse_size
 
 SEED = 20240521
-OPS = ("sum", "avg", "max", "min", "prod", "band", "bor", "bxor")
+OPS = tuple(UFUNCS)  # every reduce op
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.float16))
 KINDS = ("sum", "extreme", "prod")  # input value ranges, chosen by op
 BYTES_ACCOUNTING_SIZE = 1 << 20
@@ -84,8 +84,7 @@ def kind_of(op):
 
 
 def ops_for(dtype):
-    bitwise = ("band", "bor", "bxor")
-    return [op for op in OPS if (op != "avg" or dtype.kind == "f") and (op not in bitwise or dtype.kind != "f")]
+    return [op for op in OPS if (op != "avg" or dtype.kind == "f") and (op not in BITWISE or dtype.kind != "f")]
 
 
 def reduction(stack, op):

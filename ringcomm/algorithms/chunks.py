@@ -52,3 +52,16 @@ def segments(count, itemsize, segment_bytes):
     if count * itemsize <= segment_bytes:  # one segment: the common small call
         return [slice(0, count)]
     return [slice(lo, hi) for lo, hi in split(0, count, num_segments(count, itemsize, segment_bytes))]
+
+
+def send_segments(link, peer, step, src):
+    """Send flat ``src`` to group rank ``peer`` in ``step``, one message per segment (an
+    empty ``src`` still sends one, so the receiver never waits for nothing)."""
+    for j, sl in enumerate(segments(src.size, src.itemsize, link.segment_bytes)):
+        link.send(peer, step, j, src[sl])
+
+
+def receive_segments(link, peer, step, dst):
+    """Fill flat ``dst`` with what :func:`send_segments` sent from ``peer`` in ``step``."""
+    for j, sl in enumerate(segments(dst.size, dst.itemsize, link.segment_bytes)):
+        dst[sl] = link.recv(peer, step, j, sl.stop - sl.start)

@@ -15,7 +15,7 @@ reduce, gather and scatter talk to their root directly (gather and scatter of an
 import numpy as np
 
 from ..ops import ReduceOp, finalize, reduce_into
-from .chunks import segments
+from .chunks import receive_segments, segments, send_segments
 
 SERVER = 0  # the rank all-reduce, reduce-scatter and all-gather go through
 _EMPTY = np.empty(0, np.uint8)
@@ -28,8 +28,7 @@ def _gather_reduce(link, acc, op, root, source):
     segs = segments(acc.size if r == root else source.size, (acc if r == root else source).itemsize,
                     link.segment_bytes)
     if r != root:
-        for j, sl in enumerate(segs):
-            link.send(root, 0, j, source[sl])
+        send_segments(link, root, 0, source)
         return
     for j, sl in enumerate(segs):
         for peer in range(n):
@@ -42,13 +41,7 @@ def _scatter_from(link, root, pieces, step):
     """``root`` sends ``pieces[peer]`` (flat arrays) to each peer in ``step``."""
     for peer in range(link.size):
         if peer != root:
-            for j, sl in enumerate(segments(pieces[peer].size, pieces[peer].itemsize, link.segment_bytes)):
-                link.send(peer, step, j, pieces[peer][sl])
-
-
-def _receive_from(link, root, dst, step):
-    for j, sl in enumerate(segments(dst.size, dst.itemsize, link.segment_bytes)):
-        dst[sl] = link.recv(root, step, j, sl.stop - sl.start)
+            send_segments(link, peer, step, pieces[peer])
 
 
 def all_reduce(link, x, op, root=SERVER):
@@ -57,7 +50,7 @@ def all_reduce(link, x, op, root=SERVER):
     if link.rank == root:
         _scatter_from(link, root, [x] * link.size, 1)
     else:
-        _receive_from(link, root, x, 1)
+        receive_segments(link, root, 1, x)
 
 
 def reduce(link, x, root, op):
@@ -70,7 +63,7 @@ def broadcast(link, x, root):
     if link.rank == root:
         _scatter_from(link, root, [x] * link.size, 0)
     else:
-        _receive_from(link, root, x, 0)
+        receive_segments(link, root, 0, x)
 
 
 def reduce_scatter(link, out, x, op, root=SERVER):
@@ -83,35 +76,28 @@ def reduce_scatter(link, out, x, op, root=SERVER):
         _scatter_from(link, root, pieces, 1)
         out[...] = pieces[root]
     else:
-        _receive_from(link, root, out, 1)
+        receive_segments(link, root, 1, out)
 
 
 def all_gather(link, out, x, root=SERVER):
-    """The server collects every rank's ``x`` into ``out`` and sends the whole of it back."""
-    n, r, m = link.size, link.rank, x.size
-    if r != root:
-        for j, sl in enumerate(segments(m, x.itemsize, link.segment_bytes)):
-            link.send(root, 0, j, x[sl])
-        _receive_from(link, root, out, 1)
-        return
-    out[r * m:(r + 1) * m] = x
-    for peer in range(n):
-        if peer != root:
-            _receive_from(link, peer, out[peer * m:(peer + 1) * m], 0)
-    _scatter_from(link, root, [out] * n, 1)
+    """The server gathers every rank's ``x`` into ``out`` and sends the whole of it back."""
+    gather(link, out, x, root)
+    if link.rank == root:
+        _scatter_from(link, root, [out] * link.size, 1)
+    else:
+        receive_segments(link, root, 1, out)
 
 
 def gather(link, out, x, root):
     """``out`` on ``root`` gets every rank's ``x`` in rank order; the others only send."""
     r, m = link.rank, x.size
     if r != root:
-        for j, sl in enumerate(segments(m, x.itemsize, link.segment_bytes)):
-            link.send(root, 0, j, x[sl])
+        send_segments(link, root, 0, x)
         return
     out[r * m:(r + 1) * m] = x
     for peer in range(link.size):
         if peer != root:
-            _receive_from(link, peer, out[peer * m:(peer + 1) * m], 0)
+            receive_segments(link, peer, 0, out[peer * m:(peer + 1) * m])
 
 
 def scatter(link, out, x, root):
@@ -119,7 +105,7 @@ def scatter(link, out, x, root):
     m = out.size); ``x`` is read on the root only."""
     r, n, m = link.rank, link.size, out.size
     if r != root:
-        _receive_from(link, root, out, 0)
+        receive_segments(link, root, 0, out)
         return
     _scatter_from(link, root, [x[p * m:(p + 1) * m] for p in range(n)], 0)
     out[...] = x[r * m:(r + 1) * m]

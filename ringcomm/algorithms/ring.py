@@ -29,10 +29,12 @@ the ring on its own; segment j of step s is processed in *wave* s+j. While the Z
 thread receives the next segments, this thread reduces the current one, and at most about
 min(segments, steps) segments are in flight per link.
 """
+from itertools import accumulate
+
 import numpy as np
 
 from ..ops import ReduceOp, finalize, reduce_into, reduced
-from .chunks import segment_table, segments
+from .chunks import receive_segments, segment_table, segments, send_segments
 
 _EMPTY = np.empty(0, np.uint8)
 
@@ -184,17 +186,13 @@ def all_to_all(link, out, x, out_splits, in_splits):
     >>> all_to_all(link, out, x, [1, 1], [1, 1])   # rank 0: out = [a0, b0]; rank 1: [a1, b1]
     """
     n, r = link.size, link.rank
-    out_at = [sum(out_splits[:i]) for i in range(n)]
-    in_at = [sum(in_splits[:i]) for i in range(n)]
-    out[out_at[r]:out_at[r] + out_splits[r]] = x[in_at[r]:in_at[r] + in_splits[r]]
+    out_at = list(accumulate(out_splits, initial=0))  # block s: out[out_at[s]:out_at[s + 1]]
+    in_at = list(accumulate(in_splits, initial=0))
+    out[out_at[r]:out_at[r + 1]] = x[in_at[r]:in_at[r + 1]]
     for k in range(1, n):
         dst, src = (r + k) % n, (r - k) % n
-        block = x[in_at[dst]:in_at[dst] + in_splits[dst]]
-        for j, sl in enumerate(segments(block.size, x.itemsize, link.segment_bytes)):
-            link.send(dst, k, j, block[sl])
-        into = out[out_at[src]:out_at[src] + out_splits[src]]
-        for j, sl in enumerate(segments(into.size, out.itemsize, link.segment_bytes)):
-            into[sl] = link.recv(src, k, j, sl.stop - sl.start)
+        send_segments(link, dst, k, x[in_at[dst]:in_at[dst + 1]])
+        receive_segments(link, src, k, out[out_at[src]:out_at[src + 1]])
 
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "barrier"]

@@ -151,7 +151,7 @@ class Channel:
     def __init__(self, mapping, capacity, spin=SPIN, bell=-1):
         _check_capacity(capacity)
         self._map, self.capacity, self.spin, self.bell = mapping, capacity, spin, bell
-        self.largest = capacity // 2 - 8  # a record this long fits wherever the ring stands
+        self.largest = largest_message(capacity)
         self._ring = np.frombuffer(mapping, np.uint8, capacity, HEADER)
         self._taken = 0
         self._head = ctypes.c_uint64.from_buffer(mapping, _HEAD)
@@ -396,6 +396,12 @@ class _Napper:
     def poll(self, ms):
         time.sleep(min(ms / 1000, ROOM_NAP * 10))
         return []
+
+
+def largest_message(capacity):
+    """The most bytes one message may hold in a ring of ``capacity``: a record this long
+    (8-byte length included) fits wherever the ring stands."""
+    return capacity // 2 - 8
 
 
 def _check_capacity(capacity):

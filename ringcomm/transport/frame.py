@@ -76,8 +76,9 @@ class Header(NamedTuple):
 
 _KINDS = {kind.value: kind for kind in Kind}  # a dict lookup is ~10x cheaper than Kind(x)
 _SHM, _ABORT = int(Kind.SHM), int(Kind.ABORT)  # int comparisons: cheaper than IntEnum's
-# the namedtuples built without their Python-level __new__ (one message, two of them)
-_new_header, _new_key = partial(tuple.__new__, Header), partial(tuple.__new__, Key)
+# the namedtuples built from one tuple without their Python-level __new__ (a message
+# makes two of them); new_key((comm_id, space, seq, step, segment)) is a Key
+_new_header, new_key = partial(tuple.__new__, Header), partial(tuple.__new__, Key)
 
 
 def pack(kind, src, key, nbytes, sig):
@@ -112,4 +113,4 @@ def unpack(header, payload_len, world_size, self_rank):
         raise FrameError(f"header says {nbytes} payload bytes, frame has {payload_len}")
     if kind == _ABORT and nbytes > MAX_ABORT_BYTES:
         raise FrameError(f"abort reason of {nbytes} bytes exceeds {MAX_ABORT_BYTES}")
-    return _new_header((kind, src, _new_key((comm, space, seq, step, seg)), nbytes, sig))
+    return _new_header((kind, src, new_key((comm, space, seq, step, seg)), nbytes, sig))

@@ -31,7 +31,7 @@ class LanePlan:
     slot_bytes: int
     token: str   # this rank's lane-name token, published in the rendezvous table
     peers: dict  # peer -> that peer's token
-    channel_max_bytes: int = 256 << 10  # messages below this go through a channel (if any)
+    channel_max_bytes: int  # messages below this go through a channel (if there are any)
 
 
 class SameHost:
@@ -111,15 +111,18 @@ class SameHost:
         if len(channels.broken) > broken:  # a peer that breaks its channel's format: data lost
             self.rejected += 1
             log.error("rank %d stops reading a channel: %s", self.rank, channels.broken)
-            dropped = {bell for bell, peer in self._bells.items() if peer in channels.broken}
-            for bell in dropped:
-                del self._bells[bell]
-            self._poll_all = [item for item in self._poll_all if item[0] not in dropped]
+            self._drop_bells({bell for bell, peer in self._bells.items() if peer in channels.broken})
             channels.close_dropped()
 
     def _on_bell(self, bell):
         """A channel's bell woke the poll (its messages are read right after); a bell whose
         sender closed it (the peer ended) leaves the poll, or it would wake it forever."""
         if not hush(bell):
+            self._drop_bells({bell})
+
+    def _drop_bells(self, bells):
+        """Take ``bells`` out of the poll (their channels are read no more, or their senders
+        are gone)."""
+        for bell in bells:
             del self._bells[bell]
-            self._poll_all = [item for item in self._poll_all if item[0] != bell]
+        self._poll_all = [item for item in self._poll_all if item[0] not in bells]

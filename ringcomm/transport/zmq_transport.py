@@ -39,7 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame
 from .base import Transport
-from .channel import supported as channel_supported
+from .channel import largest_message, supported as channel_supported
 from .peer_channels import PeerChannels
 from .frame import Kind
 from .mailbox import MAX_LEAD
@@ -104,12 +104,17 @@ class ZmqTransport(SameHost, Transport):
         self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket and channel bell
         self._bells = {}  # bell file descriptor -> the peer whose channel it belongs to
         self._channel_to = {}  # peer -> the channel this rank sends to it through
-        # payloads below this go through a channel: under the plan's channel_max_bytes, and
-        # small enough to fit one with their header however that is set; lanes take segments
-        # from _lane_min up (ZeroMQ whatever falls between, or when a lane or channel is full)
-        self._inline_below = 0 if self._channels is None else \
-            min(lanes.channel_max_bytes, self._channels.capacity // 2 - 8 - frame.HEADER.size + 1)
-        self._lane_min = max(SHM_MIN_BYTES, self._inline_below)
+        # per space (collective, point-to-point): payloads below the first number go through
+        # a channel (under the plan's channel_max_bytes, and small enough to fit one with
+        # their header however that is set); lanes take segments from the second up; ZeroMQ
+        # whatever falls between, or when a lane or channel is full. Point-to-point data may
+        # wait long for its receive (a pipeline neighbour runs ahead): in a lane slot it waits
+        # where it landed, out of a channel it would be copied into the receiver's heap as
+        # soon as the receiver looks, so it keeps lanes from SHM_MIN_BYTES.
+        inline_below = 0 if self._channels is None else \
+            min(lanes.channel_max_bytes, largest_message(self._channels.capacity) - frame.HEADER.size + 1)
+        self._limits = ((inline_below, max(SHM_MIN_BYTES, inline_below)),
+                        (min(inline_below, SHM_MIN_BYTES), SHM_MIN_BYTES))
         self._push, self._monitor_peer = {}, {}
         for peer, endpoint in enumerate(endpoints):
             if peer == rank:
@@ -150,37 +155,36 @@ class ZmqTransport(SameHost, Transport):
 
     # -- sending -------------------------------------------------------------------------
     def _send(self, dst, key, sig, payload, nbytes, copy):
-        inline_below, lane_min = self._inline_below, self._lane_min
-        if key.space == 1:
-            # point-to-point data may wait long for its receive (a pipeline neighbour runs
-            # ahead): in a lane slot it waits where it landed; out of a channel it would be
-            # copied into this rank's heap as soon as the receiver looks
-            inline_below, lane_min = min(inline_below, SHM_MIN_BYTES), SHM_MIN_BYTES
+        self._check_open_to(dst)
+        inline_below, lane_min = self._limits[key.space]
+        header = frame.pack(Kind.DATA, self.rank, key, nbytes, sig)
         if nbytes < inline_below:
             channel = self._channel_to.get(dst)
-            if channel is not None:  # the common small message, with fewer calls than _post
-                if dst in self._said_bye:
-                    raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its "
-                                   f"communicator", rank=dst)
-                if channel.try_send(frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload):
-                    return None
+            if channel is not None and channel.try_send(header, payload):
+                return None
         elif nbytes >= lane_min:
             lane = self._out_lanes.get(dst)
             if lane is not None and nbytes <= lane.slot_bytes:
                 notice = lane.put(payload)
                 if notice is not None:
                     return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
-        return super()._send(dst, key, sig, payload, nbytes, copy)
+        return self._post_zmq(dst, header, payload, nbytes, copy)  # (the channel was full or absent)
 
-    def _post(self, dst, header, payload, copy=False):
+    def _check_open_to(self, dst):
         if dst in self._said_bye:
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its communicator", rank=dst)
-        sock = self._push[dst]
+
+    def _post(self, dst, header, payload, copy=False):
+        self._check_open_to(dst)
         nbytes = memoryview(payload).nbytes
         channel = self._channel_to.get(dst)
-        if channel is not None and nbytes < self._inline_below and header[_KIND_AT] not in VIA_ZMQ:
+        if channel is not None and nbytes < self._limits[0][0] and header[_KIND_AT] not in VIA_ZMQ:
             if channel.try_send(header, payload):  # not sent: full, use ZeroMQ
                 return None
+        return self._post_zmq(dst, header, payload, nbytes, copy)
+
+    def _post_zmq(self, dst, header, payload, nbytes, copy):
+        sock = self._push[dst]
         try:
             if nbytes < ONE_FRAME_BYTES:  # one ZeroMQ frame: half the send and receive calls
                 sock.send(b"".join((header, payload)), zmq.NOBLOCK)
@@ -227,7 +231,7 @@ class ZmqTransport(SameHost, Transport):
         try:
             for sock, _ in zmq.zmq_poll(self._poll_all, int(timeout * 1000)):
                 if sock is self._pull:
-                    self._drain()
+                    self._drain_pull()  # the channels are drained below
                 elif type(sock) is int:  # a bell (one dropped by an earlier handler: skipped)
                     if sock in self._bells:
                         self._on_bell(sock)
@@ -254,11 +258,7 @@ class ZmqTransport(SameHost, Transport):
         if time.monotonic() - self._monitors_seen >= MONITOR_INTERVAL:
             self._pump(0)
         else:
-            channels = self._channels
-            if channels is not None and channels.ready():
-                self._drain_channels()
-            if self._pull_signal.poll(0):
-                self._drain_pull()
+            self._glance()
         if seq is None:
             self.mailbox.raise_late(comm_id)
         else:

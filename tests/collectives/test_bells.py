@@ -12,6 +12,7 @@ import pytest
 import numpy as np
 
 from harness import RankPool, spawn_job
+from ringcomm.selfcheck import ops_for
 from ringcomm.transport import channel
 
 pytestmark = [pytest.mark.timeout(60),
@@ -167,19 +168,12 @@ DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "u
           "uint32", "uint64", "bool"]
 
 
-def ops_for(dtype):
-    kind = np.dtype(dtype).kind
-    if kind == "b":
-        return ["sum", "max", "min", "prod", "band", "bor", "bxor"]
-    return ["sum", "max", "min", "prod"] + (["avg"] if kind == "f" else ["band", "bor", "bxor"])
-
-
 def every_dtype_and_op(comm):
     """All-reduce every dtype with every op it takes, through each algorithm; the raw bytes
     and whether the channels carried them."""
     results = {}
     for dtype in DTYPES:
-        for op in ops_for(dtype):
+        for op in ops_for(np.dtype(dtype)):
             for algorithm in ("ring", "rd", "ps"):
                 rng = np.random.default_rng([comm.rank, DTYPES.index(dtype)])
                 x = rng.integers(0, 256, 3000 * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
