@@ -15,12 +15,19 @@ reduces out of the slot; the rate counts until the child has reduced the last se
 one-way latencies (half a ping-pong, median): of a small ZeroMQ message (every ring step pays
 it today), of a message through the shared-memory channel
 (:mod:`ringcomm.transport.channel`), and the floor under both: two processes spinning on a
-counter in shared memory, each writing it when it sees the other's value.
+counter in shared memory, each writing it when it sees the other's value. Beside that floor,
+in the same run: ringcomm's public ``send``/``recv`` and Open MPI's ``Send``/``Recv`` (when
+mpirun and mpi4py are here) ping-ponging 8 B, 4 KiB and 64 KiB (``bench/pingpong.py``).
 """
 import argparse
+import importlib.util
+import json
 import mmap
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -188,6 +195,25 @@ def channel_latency(nbytes, rounds=5000):
     return statistics.median(times[1:])
 
 
+def public_latency(library, sizes="8,4K,64K"):
+    """``{bytes: one-way s}`` of ``library``'s public send/recv (bench/pingpong.py), or the
+    reason it could not run (a string)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pingpong.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if library == "ringcomm":
+        cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", script]
+    elif shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
+        return "mpirun or mpi4py missing"
+    else:
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        cmd = ["mpirun", "-n", "2", *root, sys.executable, script, "--library", "mpi"]
+    done = subprocess.run([*cmd, "--sizes", sizes], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if '"one_way_s"' in line]
+    if done.returncode or not lines:
+        return f"failed (rc {done.returncode}): {done.stderr.strip()[-300:]}"
+    return {int(k): v for k, v in json.loads(lines[-1].split("]: ", 1)[-1])["one_way_s"].items()}
+
+
 def copy_rate(nbytes, repeats):
     a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     times = []
@@ -211,6 +237,13 @@ def main(argv=None):
     for size in (8, 4 << 10, 64 << 10):
         t = channel_latency(size)
         print(f"shared-memory channel one-way latency, {size:>6} B: {t * 1e6:.2f} µs ({t / floor:.1f}x the floor)")
+    for library in ("ringcomm", "openmpi"):
+        times = public_latency(library)
+        if isinstance(times, str):
+            print(f"{library} send/recv: not measured, {times}")
+            continue
+        for size, t in times.items():
+            print(f"{library} send/recv one-way latency, {size:>6} B: {t * 1e6:.2f} µs ({t / floor:.1f}x the floor)")
     for seg in (parse_size(s) for s in args.segments.split(",")):
         print(f"shared-memory lane, {SLOTS} slots of {seg >> 10:>5} KiB, receiver reducing: "
               f"{lane_rate(seg, total, args.repeats):.2f} GB/s")

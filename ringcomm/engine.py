@@ -126,6 +126,7 @@ class Work:
 
 _IDLE = object()
 IDLE_PUMP_S = 0.1  # how often an idle communication thread moves arrived messages
+INLINE_WAIT_S = 0.001  # how long a caller finishing its own receive sleeps between looks
 
 
 class Engine:
@@ -240,15 +241,28 @@ class Engine:
         self._busy.release()
 
     def run_inline(self, work):
-        """Run a work item that :meth:`submit` kept for this thread; releases ``_busy``."""
+        """Run a work item that :meth:`submit` kept for this thread; releases ``_busy``.
+
+        A receive whose message has not come yet is finished here too, this thread moving
+        messages itself, until another thread queues work: then the communication thread
+        takes the receive over, so that the queued work (perhaps the send the peer needs
+        before it answers) is not stuck behind it."""
         try:
-            if not work._run(self.transport):  # a receive still waiting: the thread finishes it
-                with self.lock:
-                    if self.closed:  # the thread is stopping: nobody would finish it
-                        work._fail(CommError(f"{work.what}: communicator closed before it completed"))
-                    else:
-                        self._pending += 1
-                        self._queue.put(work)  # _run sees it began: only _advance remains
+            if work._run(self.transport):
+                return work
+            # a receive (or a send short of credit) still waiting: this thread keeps moving
+            # messages itself, saving two thread hand-offs, until another thread queues work,
+            # which must not wait behind it (it may be what the peer needs to answer)
+            while not self._pending and not self.closed:
+                if work._advance():
+                    return work
+                self.transport.pump(INLINE_WAIT_S)
+            with self.lock:
+                if self.closed:  # the thread is stopping: nobody would finish it
+                    work._fail(CommError(f"{work.what}: communicator closed before it completed"))
+                else:
+                    self._pending += 1
+                    self._queue.put(work)  # _run sees it began: only _advance remains
         finally:
             self._busy.release()
         return work

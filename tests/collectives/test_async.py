@@ -89,6 +89,26 @@ def test_send_recv(pools, n):
         assert np.all(small == left) and list(big) == [left, left + 1]
 
 
+def recv_waits_while_other_thread_sends(comm):
+    """Rank 0 waits in a synchronous recv for what rank 1 sends only after it received what
+    rank 0's second thread sends meanwhile: the waiting recv must not hold the transport."""
+    import threading
+    got = np.zeros(3)
+    if comm.rank == 0:
+        sender = threading.Thread(target=lambda: (time.sleep(0.2), comm.send(np.full(3, 5.0), 1)))
+        sender.start()
+        comm.recv(got, 1)
+        sender.join()
+    else:
+        comm.recv(got, 0)
+        comm.send(got * 2, 0)
+    return got.tolist()
+
+
+def test_waiting_recv_lets_another_thread_send(pools):
+    assert pools(2).run(recv_waits_while_other_thread_sends) == [[10.0] * 3, [5.0] * 3]
+
+
 def wait_with_timeout(comm):
     """wait(timeout) gives up on a slow peer without breaking the communicator."""
     if comm.rank == 0:
