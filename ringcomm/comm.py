@@ -49,6 +49,10 @@ class Communicator:
     ``rank``/``world_size`` are this process's position and the group size; ``ranks`` the
     group's members as global ranks; ``device`` "cpu" or "gpu"; ``local_rank`` and
     ``local_world_size`` (the world only) this process's place among the ranks of its host.
+    ``guard_threads`` (default True) refuses a collective called from one thread while
+    another thread has one in progress (:mod:`ringcomm.threads`); set it False where the
+    caller itself orders collectives across threads identically on every rank (the contract
+    torch.distributed gives its backends).
     """
 
     def __init__(self, engine, *, ranks, rank, comm_id, name, timeout, segment_bytes, is_world,
@@ -66,11 +70,13 @@ class Communicator:
         self._seq = 0                      # the next collective's sequence number
         self._p2p_seq = defaultdict(int)   # (direction, peer, tag) -> next message number
         self._groups = 0
+        self._member_groups = defaultdict(int)  # member list -> members-only groups made of it
         self._local = None  # see the `local` property
         self._schedules = {}  # (algorithm, collective) -> its function, found once
         self._stats = Stats()
         self._closed = False
         self._threads = ThreadGuard(name)
+        self.guard_threads = True
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x, op="sum", algorithm="auto", async_op=False):
@@ -191,7 +197,7 @@ class Communicator:
             return self._collective("all_to_all", algorithm, x.nbytes, x, (flat_out, flat, outs, ins), out,
                                     async_op)
         self._check_open()
-        user = self._threads.enter("all_to_all")  # one claim over both collectives
+        user = self._threads.enter("all_to_all") if self.guard_threads else None  # one claim for both
         try:
             self._agree_splits(outs, ins)
             # signed for count 0 (the ranks' sizes differ; the splits were agreed above); the
@@ -199,7 +205,8 @@ class Communicator:
             return self._collective("all_to_all", algorithm, x.nbytes, x if x.size else out,
                                     (flat_out, flat, outs, ins), out, async_op, count=0)
         finally:
-            self._threads.leave(user)
+            if user is not None:
+                self._threads.leave(user)
 
     def _agree_splits(self, outs, ins):
         """Every rank's splits, all-gathered: CollectiveMismatch on every rank if any rank's
@@ -240,18 +247,32 @@ class Communicator:
                                     x, x, async_op)
 
     # -- groups, statistics, closing -------------------------------------------------------
-    def new_group(self, ranks):
+    def new_group(self, ranks, *, members_only=False):
         """A communicator over ``ranks`` (ranks of this communicator; group rank i is
-        ``ranks[i]``). Every rank of this communicator must call it, with the same list, in
-        the same order of calls; ranks outside the group get ``None``. One all-gather.
+        ``ranks[i]``); ranks outside the group get ``None``.
+
+        By default every rank of this communicator calls it, with the same list, in the same
+        order of calls, and one all-gather over this communicator checks that they agree.
+        ``members_only=True``: only the ranks in ``ranks`` call it and no other rank takes
+        part (as NCCL's communicator split, without the others' call). Members create their
+        members-only groups of one list in the same order; the group is named by this
+        communicator, the list, and how many members-only groups of that list came before,
+        and one all-gather over the new group checks that every member made it (a member
+        that asked for another list is never met: the others time out naming it).
 
         >>> evens = comm.new_group([0, 2])   # rank 0 -> group rank 0, rank 2 -> group rank 1
+        >>> pair = comm.new_group([1, 3], members_only=True)   # called by ranks 1 and 3 alone
         """
         members = [int(r) for r in ranks]
         if not members or len(set(members)) != len(members) or \
                 any(not 0 <= r < self.world_size for r in members):
             raise ValueError(f"new_group needs distinct ranks in [0, {self.world_size}), got {list(ranks)}")
+        if members_only and self.rank not in members:
+            raise ValueError(f"new_group(members_only=True) is called by the members alone; rank "
+                             f"{self.rank} of {self.name} is not in {members}")
         self._check_open()
+        if members_only:
+            return self._members_only_group(members)
         index = self._groups
         self._groups += 1
         digest = zlib.crc32(f"{self.comm_id}/{index}/{members}".encode())
@@ -267,8 +288,23 @@ class Communicator:
                                      f"for {members}, ranks {differing} asked for other members")
         if self.rank not in members:
             return None
+        return self._group(members, digest or 1, f"group{members}")
+
+    def _members_only_group(self, members):
+        index = self._member_groups[tuple(members)]
+        self._member_groups[tuple(members)] += 1
+        digest = zlib.crc32(f"{self.comm_id}/members/{members}/{index}".encode())
+        group = self._group(members, digest or 1, f"group{members}#{index}")
+        try:  # every member made it: its first collective would otherwise be the first to know
+            group.all_gather(np.empty(len(members), np.int64), np.array([digest], np.int64))
+        except CommError:
+            self._member_groups[tuple(members)] = index  # the next try uses the same name
+            raise
+        return group
+
+    def _group(self, members, comm_id, name):
         return Communicator(self._engine, ranks=[self.ranks[r] for r in members], rank=members.index(self.rank),
-                            comm_id=digest or 1, name=f"group{members}", timeout=self.timeout,
+                            comm_id=comm_id, name=name, timeout=self.timeout,
                             segment_bytes=self.segment_bytes, is_world=False, device=self._device)
 
     def stats(self):
@@ -354,7 +390,8 @@ class Communicator:
         Point-to-point calls are not guarded against other threads: they are numbered per
         route, so two threads' sends cannot be paired in the wrong order across ranks."""
         self._check_open()
-        user = self._threads.enter(verb) if route is None else None  # see ringcomm.threads
+        # see ringcomm.threads
+        user = self._threads.enter(verb) if route is None and self.guard_threads else None
         work = None
         try:
             call, work = self._queue(body, sig, x, result, async_op, verb, route)

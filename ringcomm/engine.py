@@ -54,6 +54,7 @@ class Work:
         self.started = self.finished = None  # time.perf_counter() on the communication thread
         self.inline = False  # run by the submitting thread (see Engine.submit)
         self._deferred = None  # set when the work waits for messages (see Deferred)
+        self._callbacks = None  # see add_done_callback
 
     def _run(self, transport):
         """Run the work function; False if it deferred its completion (also when it was
@@ -91,9 +92,24 @@ class Work:
         # a synchronous call run inline is done before anyone waits: no Event to make
         with _DONE_LOCK:
             self._done = True
-            event = self._event
+            event, callbacks, self._callbacks = self._event, self._callbacks, None
         if event is not None:
             event.set()
+        for fn in callbacks or ():
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - the work itself is done; its waiters go on
+                log.exception("a done-callback of %s failed", self.what)
+
+    def add_done_callback(self, fn):
+        """Call ``fn(work)`` once the work is done, successfully or not: at once if it is,
+        else on the thread that finishes it (mostly the communication thread, so ``fn``
+        must be quick and must not wait for communication)."""
+        with _DONE_LOCK:
+            if not self._done:
+                self._callbacks = [*(self._callbacks or ()), fn]
+                return
+        fn(self)
 
     def _fail(self, exc):
         self._error = exc

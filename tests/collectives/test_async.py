@@ -161,3 +161,96 @@ def test_new_group(pools, n):
         else:
             assert res["evens"] is None
         assert res["backwards"] == (n - 1 - r, n - 1)
+
+
+def members_only_groups(comm):
+    """Ranks 1 and 2 make two groups of themselves, ranks 0 and 3 take no part; the two
+    groups' collectives interleave without mixing, and the world goes on."""
+    r = comm.rank
+    result = None
+    if r in (1, 2):
+        first = comm.new_group([2, 1], members_only=True)
+        second = comm.new_group([2, 1], members_only=True)
+        x, y = np.array([float(r)]), np.array([10.0 * r])
+        later = second.all_reduce(y, op="max", async_op=True)
+        first.all_reduce(x)
+        later.wait()
+        result = (first.rank, first.ranks, x[0], y[0], first.comm_id != second.comm_id)
+    z = np.array([1.0])
+    comm.all_reduce(z)
+    return result, z[0]
+
+
+def test_members_only_groups(pools):
+    for r, (group, world) in enumerate(pools(4).run(members_only_groups)):
+        assert world == 4.0
+        if r in (1, 2):
+            assert group == (1 if r == 1 else 0, (2, 1), 3.0, 20.0, True)
+        else:
+            assert group is None
+
+
+def members_disagree(comm):
+    """Rank 1 asks for [0, 1], rank 0 for [0, 1, 2] (rank 2 never comes): both time out,
+    and nobody waits forever; a non-member may not ask."""
+    outcome = {}
+    if comm.rank == 2:
+        try:
+            comm.new_group([0, 1], members_only=True)
+        except ValueError as exc:
+            outcome["outsider"] = str(exc)
+        return outcome
+    saved, comm.timeout = comm.timeout, 2.0
+    try:
+        comm.new_group([0, 1, 2] if comm.rank == 0 else [0, 1], members_only=True)
+        outcome["error"] = None
+    except CommTimeout as exc:
+        outcome["error"] = type(exc).__name__
+    finally:
+        comm.timeout = saved
+    return outcome
+
+
+@pytest.mark.timeout(30)
+def test_members_only_disagreement_times_out(pools):
+    zero, one, two = pools(3).run(members_disagree)
+    assert zero["error"] == one["error"] == "CommTimeout"
+    assert "not in [0, 1]" in two["outsider"]
+
+
+def done_callbacks(comm):
+    import threading
+    seen = []
+    x = np.ones(100_000)
+    work = comm.all_reduce(x, async_op=True)
+    work.add_done_callback(lambda w: seen.append((threading.current_thread().name, w.is_completed())))
+    work.wait()
+    work.add_done_callback(lambda w: seen.append(("late", w.is_completed())))  # runs at once
+    deadline = time.monotonic() + 5
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [done for _, done in seen], seen[-1][0], x[0]
+
+
+def test_done_callbacks(pools):
+    for done, last, x in pools(2).run(done_callbacks):
+        assert done == [True, True] and last == "late" and x == 2.0
+
+
+def two_threads_unguarded(comm):
+    """With guard_threads off, a second thread may issue collectives while the first has
+    async work in flight (the caller orders them; here: the second waits for the first's)."""
+    import threading
+    comm.guard_threads = False
+    x, y = np.full(10, 1.0), np.full(10, 2.0)
+    first = comm.all_reduce(x, async_op=True)
+    other = threading.Thread(target=lambda: comm.all_reduce(y))
+    other.start()
+    other.join()
+    first.wait()
+    comm.guard_threads = True
+    return x[0], y[0]
+
+
+def test_guard_threads_off(pools):
+    assert pools(2).run(two_threads_unguarded) == [(2.0, 4.0)] * 2

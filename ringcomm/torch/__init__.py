@@ -1,0 +1,22 @@
+"""ringcomm as a torch.distributed backend: PyTorch's own DDP, FSDP2 and
+ZeroRedundancyOptimizer run on ringcomm's collectives unchanged.
+
+    import ringcomm.torch                          # registers the backend "ringcomm"
+    torch.distributed.init_process_group("ringcomm")
+    model = DistributedDataParallel(model)         # or fully_shard(model), ...
+
+Under ``python -m ringcomm.launch``, ``torchrun`` or any ``env://`` / ``tcp://`` start; see
+:mod:`ringcomm.torch.backend` for how the ranks meet, :mod:`ringcomm.torch.process_group`
+for the verbs and :mod:`ringcomm.torch.tensors` for which tensors are lent without a copy.
+Needs PyTorch (``pip install ringcomm[torch]``); the rest of ringcomm does not.
+"""
+import torch.distributed as dist
+
+from .backend import create
+from .process_group import ProcessGroupRingcomm
+
+BACKEND = "ringcomm"
+
+dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
+
+__all__ = ["BACKEND", "ProcessGroupRingcomm", "create"]

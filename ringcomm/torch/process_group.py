@@ -1,0 +1,329 @@
+"""The torch.distributed process group that runs on one ringcomm communicator.
+
+torch.distributed calls these verbs with group ranks and an options object; each lends its
+tensors to ringcomm (:mod:`ringcomm.torch.tensors`), starts the collective and returns a
+:class:`~ringcomm.torch.work.TorchWork`. A call made with ``opts.asyncOp`` False
+(``async_op=False`` in torch.distributed) completes before it returns, in the calling
+thread when ringcomm's communication thread is idle; an asynchronous one returns at once.
+Point-to-point calls are always started asynchronously (torch waits on them itself).
+
+Reduce ops: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR are ringcomm's own; PREMUL_SUM
+multiplies by its factor first, then sums. Collectives on one group are issued in one order
+on every rank (torch.distributed's contract), from any thread: ringcomm's thread guard is off
+for these communicators; its signatures still catch ranks whose calls differ.
+
+>>> import ringcomm.torch; dist.init_process_group("ringcomm")
+>>> dist.all_reduce(t)                   # ProcessGroupRingcomm.allreduce([t], opts)
+"""
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ..errors import CommTimeout
+from .tensors import check_op, lend
+from .work import TorchWork
+
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "prod", ReduceOp.MIN: "min",
+        ReduceOp.MAX: "max", ReduceOp.BAND: "band", ReduceOp.BOR: "bor", ReduceOp.BXOR: "bxor"}
+MONITOR_TAG = 0x7FFF_FFF0  # the point-to-point tag monitored_barrier uses
+
+
+def _reduce_op(reduce_op):
+    """ringcomm's op name and the PREMUL_SUM factor (None for the others)."""
+    kind = getattr(reduce_op, "op", reduce_op)
+    if kind == ReduceOp.PREMUL_SUM:
+        factor = reduce_op.factor
+        return "sum", factor.item() if isinstance(factor, torch.Tensor) else float(factor)
+    if kind not in _OPS:
+        raise ValueError(f"ringcomm has no reduce op {kind}")
+    return _OPS[kind], None
+
+
+def _one(tensors, verb):
+    if len(tensors) != 1:
+        raise ValueError(f"ringcomm {verb} takes one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
+def _rows(tensor, splits, n, name):
+    """Element counts of ``splits`` (rows of dim 0; empty: equal), or None for equal splits."""
+    if not splits:
+        return None
+    if len(splits) != n:
+        raise ValueError(f"ringcomm all_to_all_single: {name} has {len(splits)} entries for {n} ranks")
+    per_row = tensor.numel() // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 0
+    per_row *= 2 if tensor.is_complex() else 1
+    return [int(s) * per_row for s in splits]
+
+
+class ProcessGroupRingcomm(dist.ProcessGroup):
+    """A torch.distributed process group whose verbs run on ``comm`` (a ringcomm
+    communicator over the group's members, group rank i = communicator rank i)."""
+
+    def __init__(self, comm, on_shutdown=None):
+        super().__init__(comm.rank, comm.world_size)
+        self.comm = comm
+        comm.guard_threads = False
+        self._gpu = comm.device == "gpu"
+        self._on_shutdown = on_shutdown
+        self._group_name = self._group_desc = ""
+
+    def getBackendName(self):
+        return "ringcomm"
+
+    # torch names its groups through these (DeviceMesh and FSDP2 look groups up by name)
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupName(self):
+        return self._group_name
+
+    def setGroupDesc(self, desc):
+        self._group_desc = desc
+
+    def getGroupDesc(self):
+        return self._group_desc
+
+    def __repr__(self):
+        return f"<ProcessGroupRingcomm {self.comm.name} rank {self.comm.rank}/{self.comm.world_size}>"
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _lend(self, tensors, **kw):
+        return lend(tensors, gpu=self._gpu, **kw)
+
+    def _start(self, opts, loans, result, call, after=None):
+        """Start ``call(async_op)``; a TorchWork over what it returns."""
+        if opts is None or getattr(opts, "asyncOp", True):
+            return TorchWork(call(True), loans, result, after)
+        call(False)
+        return TorchWork(None, loans, result, after)
+
+    def _reduction(self, tensors, opts):
+        op, factor = _reduce_op(opts.reduceOp)
+        check_op(tensors, op)
+        return op, factor
+
+    # -- reductions -------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        tensor = _one(tensors, "allreduce")
+        op, factor = self._reduction([tensor], opts)
+        loan = self._lend([tensor], reducing=True)
+        if factor is not None:
+            loan.array *= factor
+        return self._start(opts, [loan], tensors,
+                           lambda a: self.comm.all_reduce(loan.array, op, async_op=a))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """One all-reduce over the tensors laid end to end (one dtype)."""
+        opts = opts or dist.AllreduceCoalescedOptions()
+        op, factor = self._reduction(tensors, opts)
+        loan = self._lend(tensors, reducing=True)
+        if factor is not None:
+            loan.array *= factor
+        return self._start(opts, [loan], tensors,
+                           lambda a: self.comm.all_reduce(loan.array, op, async_op=a))
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        tensor = _one(tensors, "reduce")
+        op, factor = self._reduction([tensor], opts)
+        loan = self._lend([tensor], reducing=True)
+        if factor is not None:
+            loan.array *= factor
+        root = opts.rootRank
+        return self._start(opts, [loan], tensors,
+                           lambda a: self.comm.reduce(loan.array, root, op, async_op=a))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        out = _one(output_tensors, "reduce_scatter")
+        pieces = _one(input_tensors, "reduce_scatter")
+        self._check_pieces(pieces, out, "reduce_scatter", "input")
+        return self._reduce_scatter(out, pieces, opts, output_tensors)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter(output, [input], opts, [output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self._reduce_scatter(o, [i], opts, [o]) for o, i in zip(outputs, inputs, strict=True)]
+        return self._chain(works, outputs)
+
+    def _reduce_scatter(self, out, pieces, opts, result):
+        opts = opts or dist.ReduceScatterOptions()
+        op, factor = self._reduction([out, *pieces], opts)
+        x = self._lend(pieces, reducing=True, output=False)
+        y = self._lend([out], reducing=True, copy_in=False)
+        source = x.array * factor if factor is not None else x.array  # the inputs stay as they were
+        return self._start(opts, [x, y], result,
+                           lambda a: self.comm.reduce_scatter(y.array, source, op, async_op=a))
+
+    # -- data movement ------------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        loan = self._lend([_one(tensors, "broadcast")])
+        root = opts.rootRank
+        return self._start(opts, [loan], tensors,
+                           lambda a: self.comm.broadcast(loan.array, root, async_op=a))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        outs = _one(output_tensors, "allgather")
+        x = _one(input_tensors, "allgather")
+        self._check_pieces(outs, x, "allgather", "output")
+        return self._all_gather(outs, x, opts, output_tensors)
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._all_gather([output], input, opts, [output])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self._all_gather([o], i, opts, [o]) for o, i in zip(outputs, inputs, strict=True)]
+        return self._chain(works, outputs)
+
+    def _all_gather(self, outs, x, opts, result):
+        opts = opts or dist.AllgatherOptions()
+        xs = self._lend([x], output=False)
+        ys = self._lend(outs, copy_in=False)
+        return self._start(opts, [xs, ys], result,
+                           lambda a: self.comm.all_gather(ys.array, xs.array, async_op=a))
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        x = self._lend([_one(input_tensors, "gather")], output=False)
+        root, loans, out = opts.rootRank, [x], None
+        if self.comm.rank == root:
+            pieces = _one(output_tensors, "gather")
+            self._check_pieces(pieces, input_tensors[0], "gather", "output")
+            ys = self._lend(pieces, copy_in=False)
+            loans, out = [x, ys], ys.array
+        return self._start(opts, loans, output_tensors,
+                           lambda a: self.comm.gather(out, x.array, root, async_op=a))
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        y = self._lend([_one(output_tensors, "scatter")], copy_in=False)
+        root, loans, source = opts.rootRank, [y], None
+        if self.comm.rank == root:
+            pieces = _one(input_tensors, "scatter")
+            self._check_pieces(pieces, output_tensors[0], "scatter", "input")
+            xs = self._lend(pieces, output=False)
+            loans, source = [y, xs], xs.array
+        return self._start(opts, loans, output_tensors,
+                           lambda a: self.comm.scatter(y.array, source, root, async_op=a))
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        n = self.comm.world_size
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise ValueError(f"ringcomm alltoall takes {n} input and {n} output tensors, got "
+                             f"{len(input_tensors)} and {len(output_tensors)}")
+        xs = self._lend(input_tensors, output=False)
+        ys = self._lend(output_tensors, copy_in=False)
+        # the blocks' sizes are this rank's own: another rank's may differ even where these
+        # are equal, so the splits always go to ringcomm (which checks them across ranks)
+        ins = [b - a for _, a, b in xs.bounds()]
+        outs = [b - a for _, a, b in ys.bounds()]
+        return self._start(opts, [xs, ys], output_tensors,
+                           lambda a: self.comm.all_to_all(ys.array, xs.array, outs, ins, async_op=a))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        n = self.comm.world_size
+        outs = _rows(output, output_split_sizes, n, "output_split_sizes")
+        ins = _rows(input, input_split_sizes, n, "input_split_sizes")
+        if (outs is None) != (ins is None):  # one side uneven: name both sides' counts
+            outs = outs or [output.numel() * (2 if output.is_complex() else 1) // n] * n
+            ins = ins or [input.numel() * (2 if input.is_complex() else 1) // n] * n
+        xs = self._lend([input], output=False)
+        ys = self._lend([output], copy_in=False)
+        return self._start(opts, [xs, ys], [output],
+                           lambda a: self.comm.all_to_all(ys.array, xs.array, outs, ins, async_op=a))
+
+    # -- synchronisation and point-to-point ---------------------------------------------------
+    def barrier(self, opts=None):
+        return self._start(opts, [], [], lambda a: self.comm.barrier(async_op=a))
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """A barrier that names the ranks that did not come: every rank reports to group rank
+        0, which waits ``timeout`` for them and then releases them all. Raises RuntimeError
+        naming the missing ranks (all of them with ``wait_all_ranks``, else the first)."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or self.comm.timeout)
+        token = torch.zeros(1, dtype=torch.uint8).numpy()
+        if self.comm.rank != 0:
+            self.comm.send(token, 0, MONITOR_TAG)
+            try:
+                self.comm.recv(token, 0, MONITOR_TAG, async_op=True).wait(seconds)
+            except CommTimeout:
+                raise RuntimeError(f"monitored_barrier: rank 0 of {self.comm.name} did not release "
+                                   f"rank {self.comm.rank} within {seconds} s") from None
+            return None
+        waits = {r: self.comm.recv(token.copy(), r, MONITOR_TAG, async_op=True)
+                 for r in range(1, self.comm.world_size)}
+        missing = []
+        for r, work in waits.items():
+            try:
+                work.wait(seconds if not missing else 0.001)
+            except CommTimeout:
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            which = f"ranks {missing}" if wait_all_ranks else f"rank {missing[0]}"
+            raise RuntimeError(f"monitored_barrier: {which} of {self.comm.name} did not reach the "
+                               f"barrier within {seconds} s")
+        for r in waits:
+            self.comm.send(token, r, MONITOR_TAG)
+        return None
+
+    def send(self, tensors, dstRank, tag=0):
+        loan = self._lend([_one(tensors, "send")], output=False)
+        return TorchWork(self.comm.send(loan.array, dstRank, tag, async_op=True), [loan], tensors)
+
+    def recv(self, tensors, srcRank, tag=0):
+        loan = self._lend([_one(tensors, "recv")])
+        return TorchWork(self.comm.recv(loan.array, srcRank, tag, async_op=True), [loan], tensors)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise RuntimeError("ringcomm receives from a named rank only: pass src to recv/irecv")
+
+    # -- lifetime -------------------------------------------------------------------------
+    def shutdown(self):
+        if self._on_shutdown is not None:
+            self._on_shutdown(self)
+        self.comm.close()
+
+    abort = shutdown
+
+    # -----------------------------------------------------------------------------------------
+    def _check_pieces(self, pieces, tensor, verb, side):
+        n = self.comm.world_size
+        if len(pieces) != n:
+            raise ValueError(f"ringcomm {verb}: {n} {side} tensors expected, got {len(pieces)}")
+        if any(p.numel() != tensor.numel() for p in pieces):
+            raise ValueError(f"ringcomm {verb}: every {side} tensor must have {tensor.numel()} "
+                             f"elements, got {[p.numel() for p in pieces]}")
+
+    def _chain(self, works, result):
+        """One work over several started in order (ringcomm completes them in order)."""
+        last = works[-1] if works else TorchWork(None, [], result)
+        return TorchWork(None if last._work is None else _All(works), [], result)
+
+
+class _All:
+    """The ringcomm-Work face of several TorchWorks: done when all are."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self, timeout=None):
+        for w in self._works:
+            w.wait(timeout)
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def exception(self):
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
+
+    def add_done_callback(self, fn):
+        self._works[-1]._work.add_done_callback(lambda _: fn(self))

@@ -1,0 +1,152 @@
+"""The ``Work`` torch.distributed gets back from every verb, and the threads that complete
+its futures.
+
+A :class:`TorchWork` wraps one ringcomm :class:`~ringcomm.engine.Work` (or nothing, for a
+call that already ran synchronously) and the :class:`~ringcomm.torch.tensors.Loan` to finish
+when it completes. ``wait()`` waits for ringcomm, finishes the loans (copies back what was
+copied) and raises ringcomm's error if the collective failed. ``get_future()`` returns a
+``torch.futures.Future`` that a *completer* thread finishes: never ringcomm's communication
+thread, because a future's callbacks run where it is completed, and DDP's communication
+hooks start collectives there, and some (PowerSGD) wait for them inside the callback.
+
+Completers: one thread, and another whenever every completer is inside a callback while
+a completion waits, so a callback that waits for a later future (which only a completer
+can finish) never deadlocks. Spare completers leave after a few idle seconds.
+
+>>> work = pg.allreduce([t], opts)     # what torch.distributed.all_reduce(t, async_op=True) returns
+>>> work.get_future().then(callback)   # DDP's comm hooks
+>>> work.wait()                        # t holds the sum, or ringcomm's error is raised
+"""
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+SPARE_IDLE_S = 5.0  # a spare completer with nothing to do for this long leaves
+MAX_COMPLETERS = 64  # past this, completions wait for a completer to come back
+
+
+class Completer:
+    """Runs ``fn()`` for each :meth:`put`, on completer threads (see the module docstring)."""
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = self._idle = self._queued = 0
+
+    def put(self, fn):
+        with self._lock:
+            self._queue.put(fn)
+            self._queued += 1
+            spawn = self._idle < self._queued and self._threads < MAX_COMPLETERS
+            if spawn:
+                self._threads += 1
+                self._idle += 1
+        if spawn:
+            threading.Thread(target=self._loop, args=(self._threads == 1,), daemon=True,
+                             name="ringcomm-torch-completer").start()
+
+    def _loop(self, primary):
+        while True:
+            try:
+                fn = self._queue.get(timeout=None if primary else SPARE_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queued:  # something came just now: take it
+                        continue
+                    self._threads -= 1
+                    self._idle -= 1
+                    return
+            with self._lock:
+                self._queued -= 1
+                self._idle -= 1
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    self._idle += 1
+
+
+COMPLETER = Completer()
+
+
+class TorchWork(dist._Work):
+    """Handle of one verb: ``work`` is ringcomm's (None: already done), ``loans`` are
+    finished once it completes, ``result`` is the future's value (the output tensors)."""
+
+    def __init__(self, work, loans, result, after=None):
+        super().__init__()
+        self._work, self._loans, self._result, self._after = work, loans, result, after
+        self._lock = threading.Lock()
+        self._finished = work is None
+        self._error = None
+        self._future = None
+        if work is None:
+            self._finish_loans()
+
+    def _finish_loans(self):
+        for loan in self._loans:
+            loan.finish()
+        if self._after is not None:
+            self._after()
+        self._loans = ()
+
+    def _settle(self, timeout=None):
+        """Wait for ringcomm (its ``CommTimeout`` if ``timeout`` runs out first: the call
+        goes on), then finish the loans once; the call's error, or None."""
+        if self._work is not None:
+            try:
+                self._work.wait(timeout)
+            except BaseException:
+                if not self._work.is_completed():
+                    raise
+        with self._lock:
+            if not self._finished:
+                self._finished = True
+                self._error = self._work.exception()
+                if self._error is None:
+                    try:
+                        self._finish_loans()
+                    except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                        self._error = exc
+        return self._error
+
+    def wait(self, timeout=None):
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        error = self._settle(seconds or None)  # torch passes 0 for "no timeout"
+        if error is not None:
+            raise error
+        return True
+
+    def is_completed(self):
+        return self._work is None or self._work.is_completed()
+
+    def is_success(self):
+        return self.is_completed() and self.exception() is None
+
+    def exception(self):
+        if self._error is None and self._work is not None:
+            return self._work.exception()
+        return self._error
+
+    def result(self):
+        return self._result
+
+    def get_future(self):
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._future = future = torch.futures.Future()
+        if self._work is None:
+            self._complete(future)
+        else:
+            self._work.add_done_callback(lambda _: COMPLETER.put(lambda: self._complete(future)))
+        return future
+
+    def _complete(self, future):
+        error = self._settle()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(self._result)
