@@ -10,9 +10,12 @@ one script, ``init_process_group(BACKEND)``, an MLP of ``--layers`` widths (the 
 steps of which the first 5 are warm-up. DDP uses its default buckets; FSDP2 shards every
 linear layer and the whole model (``fully_shard``). A step is rank 0's wall time from
 zero_grad to the optimizer step; the table gives each library's median over all its jobs
-and ringcomm / Gloo. Results: bench/results/torch_backend.json and torch_backend.png.
+and ringcomm / Gloo, and for DDP the floor: the same DDP step with a comm hook that sends
+nothing (what no library can beat). Each ``--batch-size`` (global) gives its own rows: a
+large batch is compute-bound, a small one communication-bound. Results: bench/results/torch_backend.json and torch_backend.png.
 """
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -40,8 +43,14 @@ def worker(args):
     for i, (a, b) in enumerate(zip(widths, widths[1:])):
         layers += [torch.nn.Linear(a, b)] + ([torch.nn.ReLU()] if i < len(widths) - 2 else [])
     model = torch.nn.Sequential(*layers)
-    if args.mode == "ddp":
+    if args.mode in ("ddp", "floor"):
         model = torch.nn.parallel.DistributedDataParallel(model)
+        if args.mode == "floor":  # DDP's machinery without the communication: the step's floor
+            def no_communication(_, bucket):
+                future = torch.futures.Future()
+                future.set_result(bucket.buffer())
+                return future
+            model.register_comm_hook(None, no_communication)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -52,8 +61,9 @@ def worker(args):
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch_size // n, widths[0], generator=generator)
-    y = torch.randint(0, widths[-1], (args.batch_size // n,), generator=generator)
+    local = int(args.batch_size) // n
+    x = torch.randn(local, widths[0], generator=generator)
+    y = torch.randint(0, widths[-1], (local,), generator=generator)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -63,18 +73,18 @@ def worker(args):
         optimizer.step()
         times.append(time.perf_counter() - start)
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters()) * (n if args.mode == "fsdp2" else 1)
+        params = sum(p.numel() for p in model.parameters())  # FSDP2: DTensors count globally
         with open(args.out, "w") as f:
             json.dump({"times_s": times[WARMUP:], "loss": loss.item(), "parameters": params}, f)
     dist.destroy_process_group()
 
 
-def run_job(args, backend, mode, n):
+def run_job(args, backend, mode, n, batch):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", str(n), os.path.abspath(__file__), "--worker",
            "--backend", backend, "--mode", mode, "--layers", args.layers, "--steps", str(args.steps),
-           "--batch-size", str(args.batch_size), "--out", out]
+           "--batch-size", str(batch), "--out", out]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     if done.returncode:
@@ -85,6 +95,27 @@ def run_job(args, backend, mode, n):
     return result
 
 
+def measure(args, batch, n, mode):
+    """One table row: the libraries' jobs (and, for DDP, the floor: a DDP step whose comm hook
+    sends nothing, under Gloo) alternated over ``args.rounds`` rounds."""
+    arms = [*LIBRARIES, *(["floor"] if mode == "ddp" else [])]
+    times = {arm: [] for arm in arms}
+    results = {}
+    for i in range(args.rounds):
+        for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
+            backend, job_mode = ("gloo", "floor") if arm == "floor" else (arm, mode)
+            results[arm] = run_job(args, backend, job_mode, n, batch)
+            times[arm] += results[arm]["times_s"]
+    row = {"mode": mode, "n": n, "batch_size": batch, "parameters": results["gloo"]["parameters"],
+           "steps_per_job": args.steps - WARMUP, "rounds": args.rounds,
+           "floor_ms": 1e3 * statistics.median(times["floor"]) if "floor" in times else None}
+    for lib in LIBRARIES:
+        row[lib] = {"median_ms": 1e3 * statistics.median(times[lib]),
+                    "p75_ms": 1e3 * statistics.quantiles(times[lib], n=4)[2], "last_loss": results[lib]["loss"]}
+    row["ratio"] = row["ringcomm"]["median_ms"] / row["gloo"]["median_ms"]
+    return row
+
+
 def plot(rows, path):
     try:
         import matplotlib
@@ -93,8 +124,8 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    labels = [f"{r['mode']} N={r['n']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['mode']} N={r['n']}\nbatch {r['batch_size']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 4))
     for i, lib in enumerate(LIBRARIES):
         ax.bar([j + 0.4 * i for j in range(len(rows))], [r[lib]["median_ms"] for r in rows], 0.4, label=lib)
     ax.set_xticks([j + 0.2 for j in range(len(rows))], labels)
@@ -116,32 +147,23 @@ def main(argv=None):
     p.add_argument("--modes", default="ddp,fsdp2")
     p.add_argument("--layers", default="512,1024,1024,512,10")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", default="256,32", help="global batch sizes, one table row each")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--results", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
     rows = []
-    print(f"{'mode':>6} {'N':>2} {'params':>9} {'ringcomm ms':>12} {'gloo ms':>9} {'ratio':>6}  loss (ringcomm, gloo)")
-    for n in (int(v) for v in args.nproc.split(",")):
-        for mode in args.modes.split(","):
-            times = {lib: [] for lib in LIBRARIES}
-            losses, params = {}, None
-            for i in range(args.rounds):
-                for lib in LIBRARIES if i % 2 == 0 else LIBRARIES[::-1]:
-                    result = run_job(args, lib, mode, n)
-                    times[lib] += result["times_s"]
-                    losses[lib], params = result["loss"], result["parameters"]
-            row = {"mode": mode, "n": n, "parameters": params, "steps_per_job": args.steps - WARMUP,
-                   "rounds": args.rounds, **{lib: {"median_ms": 1e3 * statistics.median(times[lib]),
-                                                   "p75_ms": 1e3 * statistics.quantiles(times[lib], n=4)[2],
-                                                   "last_loss": losses[lib]} for lib in LIBRARIES}}
-            row["ratio"] = row["ringcomm"]["median_ms"] / row["gloo"]["median_ms"]
-            rows.append(row)
-            print(f"{mode:>6} {n:>2} {params:>9} {row['ringcomm']['median_ms']:>12.2f} "
-                  f"{row['gloo']['median_ms']:>9.2f} {row['ratio']:>6.2f}  "
-                  f"{losses['ringcomm']:.6f}, {losses['gloo']:.6f}", flush=True)
+    print(f"{'mode':>6} {'N':>2} {'batch':>5} {'params':>9} {'floor ms':>9} {'ringcomm ms':>12} {'gloo ms':>9} "
+          f"{'ratio':>6}  loss (ringcomm, gloo)")
+    for batch, n, mode in itertools.product([int(b) for b in args.batch_size.split(",")],
+                                            [int(v) for v in args.nproc.split(",")], args.modes.split(",")):
+        row = measure(args, batch, n, mode)
+        rows.append(row)
+        floor_ms = f"{row['floor_ms']:.2f}" if row["floor_ms"] else "-"
+        print(f"{mode:>6} {n:>2} {batch:>5} {row['parameters']:>9} {floor_ms:>9} "
+              f"{row['ringcomm']['median_ms']:>12.2f} {row['gloo']['median_ms']:>9.2f} {row['ratio']:>6.2f}  "
+              f"{row['ringcomm']['last_loss']:.4g}, {row['gloo']['last_loss']:.4g}", flush=True)
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, "torch_backend.json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}, "rows": rows},

@@ -23,12 +23,11 @@ Costs below are per rank for n ranks and S bytes, with the ring.
 >>> x = np.full(3, comm.rank + 1.0)
 >>> comm.all_reduce(x)            # rank 0 and rank 1 of 2: x == [3., 3., 3.]
 """
-import zlib
 from collections import defaultdict
 
 import numpy as np
 
-from . import p2p, signature
+from . import groups, p2p, signature
 from .algorithms import SCHEDULES, schedule
 from .algorithms.choice import auto_algorithm
 from .checks import check_array, check_device_reduce, check_pair, check_peer, check_rank, split_sizes
@@ -69,8 +68,7 @@ class Communicator:
         self._is_world = is_world
         self._seq = 0                      # the next collective's sequence number
         self._p2p_seq = defaultdict(int)   # (direction, peer, tag) -> next message number
-        self._groups = 0
-        self._member_groups = defaultdict(int)  # member list -> members-only groups made of it
+        self._groups = groups.Counters()
         self._local = None  # see the `local` property
         self._schedules = {}  # (algorithm, collective) -> its function, found once
         self._stats = Stats()
@@ -249,58 +247,15 @@ class Communicator:
     # -- groups, statistics, closing -------------------------------------------------------
     def new_group(self, ranks, *, members_only=False):
         """A communicator over ``ranks`` (ranks of this communicator; group rank i is
-        ``ranks[i]``); ranks outside the group get ``None``.
-
-        By default every rank of this communicator calls it, with the same list, in the same
-        order of calls, and one all-gather over this communicator checks that they agree.
-        ``members_only=True``: only the ranks in ``ranks`` call it and no other rank takes
-        part (as NCCL's communicator split, without the others' call). Members create their
-        members-only groups of one list in the same order; the group is named by this
-        communicator, the list, and how many members-only groups of that list came before,
-        and one all-gather over the new group checks that every member made it (a member
-        that asked for another list is never met: the others time out naming it).
+        ``ranks[i]``); ranks outside the group get ``None``. By default every rank of this
+        communicator calls it, with the same list, in the same order of calls (one
+        all-gather over this communicator checks that). ``members_only=True``: the members
+        alone call it, nobody else takes part (see :mod:`ringcomm.groups`).
 
         >>> evens = comm.new_group([0, 2])   # rank 0 -> group rank 0, rank 2 -> group rank 1
         >>> pair = comm.new_group([1, 3], members_only=True)   # called by ranks 1 and 3 alone
         """
-        members = [int(r) for r in ranks]
-        if not members or len(set(members)) != len(members) or \
-                any(not 0 <= r < self.world_size for r in members):
-            raise ValueError(f"new_group needs distinct ranks in [0, {self.world_size}), got {list(ranks)}")
-        if members_only and self.rank not in members:
-            raise ValueError(f"new_group(members_only=True) is called by the members alone; rank "
-                             f"{self.rank} of {self.name} is not in {members}")
-        self._check_open()
-        if members_only:
-            return self._members_only_group(members)
-        index = self._groups
-        self._groups += 1
-        digest = zlib.crc32(f"{self.comm_id}/{index}/{members}".encode())
-        everyone = np.empty(self.world_size, np.int64)
-        try:
-            self.all_gather(everyone, np.array([digest], np.int64))  # all ranks must agree on membership
-        except CommError:
-            self._groups = index  # refused or failed here: the next try uses the same index
-            raise
-        differing = [r for r in range(self.world_size) if everyone[r] != digest]
-        if differing:
-            raise CollectiveMismatch(f"new_group #{index} on {self.name}: rank {self.rank} asked "
-                                     f"for {members}, ranks {differing} asked for other members")
-        if self.rank not in members:
-            return None
-        return self._group(members, digest or 1, f"group{members}")
-
-    def _members_only_group(self, members):
-        index = self._member_groups[tuple(members)]
-        self._member_groups[tuple(members)] += 1
-        digest = zlib.crc32(f"{self.comm_id}/members/{members}/{index}".encode())
-        group = self._group(members, digest or 1, f"group{members}#{index}")
-        try:  # every member made it: its first collective would otherwise be the first to know
-            group.all_gather(np.empty(len(members), np.int64), np.array([digest], np.int64))
-        except CommError:
-            self._member_groups[tuple(members)] = index  # the next try uses the same name
-            raise
-        return group
+        return groups.new_group(self, ranks, members_only)
 
     def _group(self, members, comm_id, name):
         return Communicator(self._engine, ranks=[self.ranks[r] for r in members], rank=members.index(self.rank),

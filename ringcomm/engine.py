@@ -21,6 +21,7 @@ from .errors import CommError, CommTimeout
 
 log = logging.getLogger(__name__)
 _DONE_LOCK = threading.Lock()  # orders Work._finish against a waiter making its Event
+_waiting = 0  # threads of this process blocked in Work.wait (under _DONE_LOCK)
 
 
 def _new_done_lock():  # a fork taken while another thread held it must not inherit it held
@@ -130,7 +131,7 @@ class Work:
                 if not self._done and self._event is None:
                     self._event = threading.Event()
                 event = self._event
-            if event is not None and not event.wait(timeout):
+            if event is not None and not _wait(event, timeout):
                 raise CommTimeout(f"{self.what}: still running after wait(timeout={timeout})")
         if self._error is not None:
             raise self._error
@@ -138,6 +139,18 @@ class Work:
 
     def exception(self):
         return self._error
+
+
+def _wait(event, timeout):
+    """``event.wait(timeout)``, counted in ``_waiting`` (see :meth:`Engine.eager`)."""
+    global _waiting
+    with _DONE_LOCK:
+        _waiting += 1
+    try:
+        return event.wait(timeout)
+    finally:
+        with _DONE_LOCK:
+            _waiting -= 1
 
 
 _IDLE = object()
@@ -164,6 +177,15 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, args=(ready,), name=name, daemon=True)
         self._thread.start()
         self.transport = ready.wait()
+        self.transport.eager = self.eager
+
+    def eager(self):
+        """Whether the thread now waiting on the transport should spin before it sleeps: the
+        caller's own thread (a synchronous call run inline), or the communication thread
+        while some thread is blocked in :meth:`Work.wait`. The communication thread running
+        asynchronous work that nobody waits for yet yields instead: its spin would take the
+        core, and the GIL, from the compute it overlaps."""
+        return _waiting > 0 or threading.get_ident() != self._thread.ident
 
     def _loop(self, ready):
         ready._run(None)

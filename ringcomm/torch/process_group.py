@@ -15,13 +15,14 @@ for these communicators; its signatures still catch ranks whose calls differ.
 >>> import ringcomm.torch; dist.init_process_group("ringcomm")
 >>> dist.all_reduce(t)                   # ProcessGroupRingcomm.allreduce([t], opts)
 """
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ..errors import CommTimeout
+from ..errors import CommError
 from .tensors import check_op, lend
 from .work import TorchWork
 
@@ -253,17 +254,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             self.comm.send(token, 0, MONITOR_TAG)
             try:
                 self.comm.recv(token, 0, MONITOR_TAG, async_op=True).wait(seconds)
-            except CommTimeout:
+            except CommError:  # timed out, or rank 0 left
                 raise RuntimeError(f"monitored_barrier: rank 0 of {self.comm.name} did not release "
                                    f"rank {self.comm.rank} within {seconds} s") from None
             return None
         waits = {r: self.comm.recv(token.copy(), r, MONITOR_TAG, async_op=True)
                  for r in range(1, self.comm.world_size)}
-        missing = []
+        missing, deadline = [], time.monotonic() + seconds
         for r, work in waits.items():
             try:
-                work.wait(seconds if not missing else 0.001)
-            except CommTimeout:
+                work.wait(max(0.001, deadline - time.monotonic()))
+            except CommError:  # timed out, or the rank left
                 missing.append(r)
                 if not wait_all_ranks:
                     break

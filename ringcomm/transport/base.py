@@ -42,6 +42,10 @@ class Transport(ABC):
         self.running = {}   # comm id -> sequence number of the collective running here
         self._answers = {}  # peer -> its PONG state for the probe in progress
         self._probing = None  # (comm id, seq) of the probe in progress
+        # whether a thread waits for what this thread is waiting for: then a wait spins
+        # before it sleeps; else it yields the core and the GIL to the caller's compute (the
+        # engine sets it: see Engine.eager)
+        self.eager = lambda: True
 
     # -- what subclasses provide -------------------------------------------------------
     @abstractmethod

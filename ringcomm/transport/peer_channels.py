@@ -77,12 +77,13 @@ class PeerChannels:
                 return True
         return False
 
-    def wait_briefly(self):
-        """Spin up to the spin budget for a message: True if one came; else False, with
-        every channel marked dozing (its sender rings the bell; undo with :meth:`awake`)."""
+    def wait_briefly(self, eager=True):
+        """Spin up to the spin budget for a message (not ``eager``: yield instead, as on an
+        oversubscribed host): True if one came; else False, with every channel marked
+        dozing (its sender rings the bell; undo with :meth:`awake`)."""
         if not self._in_list:
             return False
-        if spin_until(self.ready, self.spin):
+        if spin_until(self.ready, self.spin if eager else 0.0):
             return True
         for channel in self._in_list:
             channel.doze()

@@ -215,7 +215,7 @@ class ZmqTransport(SameHost, Transport):
         dozing = False
         now = time.monotonic()
         if timeout > 0 and channels is not None:
-            if channels.wait_briefly():
+            if channels.wait_briefly(self.eager()):
                 if now - self._monitors_seen < MONITOR_INTERVAL:
                     self._drain_channels()  # what the spin found; ZeroMQ waits its turn
                     return

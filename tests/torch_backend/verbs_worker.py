@@ -254,6 +254,19 @@ def work_and_errors():
     REPORT.append([case, None if y.tolist() == [float(N)] * 2 else str(y.tolist())])
 
 
+def monitored_barrier_names_the_missing_rank():
+    """The last case: rank N−1 stays away; rank 0 names it, the others are not released."""
+    case = "monitored_barrier names the rank that did not come"
+    if RANK == N - 1:
+        return
+    try:
+        dist.distributed_c10d._get_default_group().monitored_barrier(timedelta(seconds=1), True)
+        REPORT.append([case, "no error"])
+    except RuntimeError as exc:
+        expected = f"ranks [{N - 1}]" if RANK == 0 else "did not release"
+        REPORT.append([case, None if expected in str(exc) else str(exc)])
+
+
 if __name__ == "__main__":
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
     RANK, N = dist.get_rank(), dist.get_world_size()
@@ -262,6 +275,7 @@ if __name__ == "__main__":
     movements()
     point_to_point()
     work_and_errors()
+    monitored_barrier_names_the_missing_rank()
     with open(os.path.join(sys.argv[1], f"rank{RANK}.json"), "w") as f:
         json.dump(REPORT, f)
     dist.destroy_process_group()

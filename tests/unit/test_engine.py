@@ -1,0 +1,53 @@
+"""The engine on an in-process transport: the communication thread, done-callbacks, and
+where a wait may spin."""
+import threading
+import time
+
+import pytest
+
+from ringcomm.engine import Engine
+from ringcomm.transport.local import LocalHub
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def engine():
+    e = Engine(lambda: LocalHub(1).transport(0), name="test-engine")
+    yield e
+    e.close()
+
+
+def submit(engine, fn):
+    with engine.lock:
+        return engine.submit(fn, fn.__name__)
+
+
+def test_only_a_waited_for_thread_spins(engine):
+    """The caller's thread spins (it runs synchronous calls inline); the communication thread
+    spins only while some thread is blocked in Work.wait, else it leaves the core to compute."""
+    assert engine.eager() and engine.transport.eager()
+
+    def unwatched(transport):
+        return transport.eager()
+    quiet = submit(engine, unwatched)
+    deadline = time.monotonic() + 5
+    while not quiet.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert quiet.wait() is False
+
+    def watched(transport):
+        time.sleep(0.3)  # the test's thread is in wait() by now
+        return transport.eager()
+    assert submit(engine, watched).wait() is True
+
+
+def test_done_callbacks_run_once_where_the_work_finishes(engine):
+    seen = []
+    gate = threading.Event()
+    work = submit(engine, lambda _: gate.wait(5))
+    work.add_done_callback(lambda w: seen.append((threading.current_thread().name, w.is_completed())))
+    gate.set()
+    work.wait()
+    work.add_done_callback(lambda w: seen.append((threading.current_thread().name, w.is_completed())))
+    assert seen == [("test-engine", True), (threading.current_thread().name, True)]
