@@ -9,7 +9,10 @@ has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). St
    sharing the GPU(s), checked against the closed form, timed (median of 5);
 4. one short training run per strategy with ``--device gpu`` (dp, ddp, zero1, zero2, zero3,
    zero2 + offload) in fp16, and the GPT on cp2, tp2 + sp (zero3) and pp2 (zero1, recompute),
-   each checked to finish.
+   each checked to finish;
+5. the PyTorch backend with CUDA tensors (``import ringcomm.torch`` on 2 workers sharing the
+   GPU): all-reduce of float32 and bfloat16 tensors, an all-gather into one tensor, and 5 DDP
+   steps of a small model, each checked against its closed form or a one-process run.
 
 Results go to ``OUT/gpu_check.json`` (``--out``; default ``bench/out``) and a summary to stdout.
 """
@@ -43,6 +46,39 @@ for size in (1 << 22, 1 << 26):
         rows.append({"bytes": size, "algorithm": algo, "time_s": med, "busbw_GBps": size / med * 2 * (n - 1) / n / 1e9, "wrong": wrong})
 if r == 0:
     print("GPUBENCH " + json.dumps({"world_size": n, "device": comm.device, "rows": rows}))
+'''
+
+TORCH_CHECK = r'''
+import json, torch, torch.distributed as dist
+import ringcomm.torch
+dist.init_process_group("ringcomm")
+r, n = dist.get_rank(), dist.get_world_size()
+torch.cuda.set_device(0)
+checks = {}
+for dtype in (torch.float32, torch.bfloat16):
+    t = torch.full((1 << 20,), float(r + 1), dtype=dtype, device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    checks[f"all_reduce {dtype}"] = bool((t == n * (n + 1) / 2).all())
+whole = torch.empty(4 * n, device="cuda")
+dist.all_gather_into_tensor(whole, torch.full((4,), float(r), device="cuda"))
+checks["all_gather_into_tensor"] = whole.cpu().tolist() == [float(i) for i in range(n) for _ in range(4)]
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()
+alone = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()
+alone.load_state_dict(net.state_dict())
+ddp = torch.nn.parallel.DistributedDataParallel(net)
+opt, ref = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(alone.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1)
+for _ in range(5):
+    xs = [torch.randn(8, 32, generator=g) for _ in range(n)]
+    ys = [torch.randn(8, 1, generator=g) for _ in range(n)]
+    torch.nn.functional.mse_loss(ddp(xs[r].cuda()), ys[r].cuda()).backward(); opt.step(); opt.zero_grad()
+    torch.nn.functional.mse_loss(alone(torch.cat(xs).cuda()), torch.cat(ys).cuda()).backward(); ref.step(); ref.zero_grad()
+checks["ddp = one process"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(net.parameters(), alone.parameters()))
+if r == 0:
+    print("TORCHCHECK " + json.dumps(checks))
+dist.destroy_process_group()
 '''
 
 
@@ -107,6 +143,14 @@ def main(argv=None):
             report["ok"] &= result.returncode == 0
             report["training"].append(entry)
             print("training:", json.dumps(entry)[:600], flush=True)
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(TORCH_CHECK)
+    result, secs = run([sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu", f.name], 180, env)
+    line = [ln for ln in result.stdout.splitlines() if "TORCHCHECK " in ln]
+    report["torch_backend"] = json.loads(line[0].split("TORCHCHECK ", 1)[1]) if line else {"error": result.stderr[-2000:]}
+    report["ok"] &= bool(line) and all(report["torch_backend"].values())
+    print("torch backend:", json.dumps(report["torch_backend"])[:1000], flush=True)
 
     path = os.path.join(args.out, "gpu_check.json")
     with open(path, "w") as f:
