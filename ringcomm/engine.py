@@ -49,7 +49,8 @@ class Work:
 
     def __init__(self, fn, what):
         self._fn, self.what = fn, what
-        self._done = False
+        self._done = False  # the outcome is in (see _finish)
+        self._settled = False  # ... and the done-callbacks have run
         self._event = None  # made only when someone waits before the work is done
         self._result = self._error = None
         self.started = self.finished = None  # time.perf_counter() on the communication thread
@@ -90,17 +91,22 @@ class Work:
         return True
 
     def _finish(self):
-        # a synchronous call run inline is done before anyone waits: no Event to make
+        # done (is_completed) first, then the done-callbacks, then the waiters released: a
+        # waiter who returns knows the callbacks ran; a synchronous call run inline is done
+        # before anyone waits: no Event to make
         with _DONE_LOCK:
             self._done = True
-            event, callbacks, self._callbacks = self._event, self._callbacks, None
-        if event is not None:
-            event.set()
+            callbacks, self._callbacks = self._callbacks, None
         for fn in callbacks or ():
             try:
                 fn(self)
             except Exception:  # noqa: BLE001 - the work itself is done; its waiters go on
                 log.exception("a done-callback of %s failed", self.what)
+        with _DONE_LOCK:
+            self._settled = True
+            event = self._event
+        if event is not None:
+            event.set()
 
     def add_done_callback(self, fn):
         """Call ``fn(work)`` once the work is done, successfully or not: at once if it is,
@@ -126,9 +132,9 @@ class Work:
         The communicator's own deadline bounds every operation, so ``timeout=None`` never
         waits forever.
         """
-        if not self._done:
+        if not self._settled:
             with _DONE_LOCK:
-                if not self._done and self._event is None:
+                if not self._settled and self._event is None:
                     self._event = threading.Event()
                 event = self._event
             if event is not None and not _wait(event, timeout):
@@ -291,19 +297,27 @@ class Engine:
             # a receive (or a send short of credit) still waiting: this thread keeps moving
             # messages itself, saving two thread hand-offs, until another thread queues work,
             # which must not wait behind it (it may be what the peer needs to answer)
-            while not self._pending and not self.closed:
-                if work._advance():
-                    return work
-                self.transport.pump(INLINE_WAIT_S)
-            with self.lock:
-                if self.closed:  # the thread is stopping: nobody would finish it
-                    work._fail(CommError(f"{work.what}: communicator closed before it completed"))
-                else:
-                    self._pending += 1
-                    self._queue.put(work)  # _run sees it began: only _advance remains
+            try:
+                while not self._pending and not self.closed:
+                    if work._advance():
+                        return work
+                    self.transport.pump(INLINE_WAIT_S)
+            except BaseException:  # interrupted (KeyboardInterrupt): the thread finishes it
+                self._hand_over(work)
+                raise
+            self._hand_over(work)
         finally:
             self._busy.release()
         return work
+
+    def _hand_over(self, work):
+        """Queue a started work for the communication thread, which only advances it."""
+        with self.lock:
+            if self.closed:  # the thread is stopping: nobody would finish it
+                work._fail(CommError(f"{work.what}: communicator closed before it completed"))
+            else:
+                self._pending += 1
+                self._queue.put(work)  # _run sees it began: only _advance remains
 
     def close(self, timeout=60.0):
         """Finish queued work, close the transport (BYE to peers) and stop the thread."""

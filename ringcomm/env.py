@@ -22,6 +22,7 @@ default 256 KiB; see :mod:`ringcomm.transport.channel`).
 import math
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 DEFAULT_TIMEOUT = 300.0
@@ -146,3 +147,15 @@ def validate(info):
         raise ValueError(f"RINGCOMM_SHM_SLOTS must be at least 1, got {info.shm_slots}")
     if info.segment_bytes < 1024:
         raise ValueError(f"segment size must be at least 1024 bytes, got {info.segment_bytes}")
+
+
+def free_port(addr: str) -> int:
+    """A TCP port that is free right now on ``addr`` (bind port 0, read it back)."""
+    for host in (addr, ""):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                return sock.getsockname()[1]
+        except OSError:
+            continue
+    raise RuntimeError(f"cannot find a free TCP port on {addr!r}")

@@ -70,9 +70,8 @@ def _members_only(comm, members):
     made[tuple(members)] += 1
     digest = zlib.crc32(f"{comm.comm_id}/members/{members}/{index}".encode())
     group = comm._group(members, digest or 1, f"group{members}#{index}")
-    try:  # every member made it: its first collective would otherwise be the first to know
-        group.all_gather(np.empty(len(members), np.int64), np.array([digest], np.int64))
-    except CommError:
-        made[tuple(members)] = index  # the next try uses the same name
-        raise
+    # every member made it: its first collective would otherwise be the first to know. A
+    # failed try keeps its number (its name's first collective is retired here, so a retry
+    # under the same name could never hear from the others): members retry alike or not at all
+    group.all_gather(np.empty(len(members), np.int64), np.array([digest], np.int64))
     return group

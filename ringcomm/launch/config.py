@@ -11,12 +11,12 @@ import argparse
 import math
 import os
 import secrets
-import socket
 import sys
 import threading
 from dataclasses import dataclass, field
 
 from .. import secret as job_secret
+from ..env import free_port  # noqa: F401 - the launcher's, and its users'
 
 DEFAULT_MODULE = "ringcomm.train"
 DEFAULT_ARGS = ("--main-job",)
@@ -74,18 +74,6 @@ class LaunchConfig:
         if self.module is not None:
             return [sys.executable, "-u", "-m", self.module, *self.args]
         return [sys.executable, "-u", self.script, *self.args]
-
-
-def free_port(addr: str) -> int:
-    """A TCP port that is free right now on ``addr`` (bind port 0, read it back)."""
-    for host in (addr, ""):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((host, 0))
-                return sock.getsockname()[1]
-        except OSError:
-            continue
-    raise RuntimeError(f"cannot find a free TCP port on {addr!r}")
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:

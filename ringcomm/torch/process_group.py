@@ -18,6 +18,7 @@ for these communicators; its signatures still catch ranks whose calls differ.
 import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
@@ -28,7 +29,7 @@ from .work import TorchWork
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "prod", ReduceOp.MIN: "min",
         ReduceOp.MAX: "max", ReduceOp.BAND: "band", ReduceOp.BOR: "bor", ReduceOp.BXOR: "bxor"}
-MONITOR_TAG = 0x7FFF_FFF0  # the point-to-point tag monitored_barrier uses
+MONITOR_TAG, MONITOR_TAGS = 0xFFFF_0000, 0xFFFF  # monitored_barrier's point-to-point tags
 
 
 def _reduce_op(reduce_op):
@@ -70,6 +71,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._gpu = comm.device == "gpu"
         self._on_shutdown = on_shutdown
         self._group_name = self._group_desc = ""
+        self._monitored = 0  # monitored_barrier calls so far
 
     def getBackendName(self):
         return "ringcomm"
@@ -132,11 +134,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         tensor = _one(tensors, "reduce")
         op, factor = self._reduction([tensor], opts)
         loan = self._lend([tensor], reducing=True)
-        if factor is not None:
-            loan.array *= factor
-        root = opts.rootRank
+        root, target, after = opts.rootRank, loan.array, None
+        if factor is not None:  # scaled in a copy: ranks other than the root keep their tensor
+            target = loan.array * factor
+            if self.comm.rank == root:
+                def after():
+                    loan.array[...] = target
         return self._start(opts, [loan], tensors,
-                           lambda a: self.comm.reduce(loan.array, root, op, async_op=a))
+                           lambda a: self.comm.reduce(target, root, op, async_op=a), after)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out = _one(output_tensors, "reduce_scatter")
@@ -180,6 +185,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._all_gather([o], i, opts, [o]) for o, i in zip(outputs, inputs, strict=True)]
         return self._chain(works, outputs)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        works = [self.allgather([outs], [x], opts) for outs, x in zip(output_lists, input_list, strict=True)]
+        return self._chain(works, output_lists)
 
     def _all_gather(self, outs, x, opts, result):
         opts = opts or dist.AllgatherOptions()
@@ -232,6 +241,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         n = self.comm.world_size
         outs = _rows(output, output_split_sizes, n, "output_split_sizes")
         ins = _rows(input, input_split_sizes, n, "input_split_sizes")
+        for tensor, splits, name in ((input, ins, "input"), (output, outs, "output")):
+            if splits is None and tensor.dim() and tensor.shape[0] % n:
+                raise ValueError(f"ringcomm all_to_all_single: the {name}'s first dimension "
+                                 f"({tensor.shape[0]}) does not split evenly over {n} ranks")
         if (outs is None) != (ins is None):  # one side uneven: name both sides' counts
             outs = outs or [output.numel() * (2 if output.is_complex() else 1) // n] * n
             ins = ins or [input.numel() * (2 if input.is_complex() else 1) // n] * n
@@ -246,34 +259,41 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """A barrier that names the ranks that did not come: every rank reports to group rank
-        0, which waits ``timeout`` for them and then releases them all. Raises RuntimeError
-        naming the missing ranks (all of them with ``wait_all_ranks``, else the first)."""
+        0, which waits up to ``timeout`` for them and then sends each rank that came its
+        verdict. Raises RuntimeError on every rank that came, naming the missing ranks (all
+        with ``wait_all_ranks``, else the first). Each call has a tag of its own (ranks count
+        their calls alike), so a rank late for one failed call meets only that call."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or self.comm.timeout)
-        token = torch.zeros(1, dtype=torch.uint8).numpy()
+        self._monitored += 1
+        tag = MONITOR_TAG + self._monitored % MONITOR_TAGS
+        verdict = np.full(1, -1, np.int64)  # -1: everyone came; else the first missing rank
         if self.comm.rank != 0:
-            self.comm.send(token, 0, MONITOR_TAG)
-            try:
-                self.comm.recv(token, 0, MONITOR_TAG, async_op=True).wait(seconds)
+            self.comm.send(verdict, 0, tag)
+            try:  # rank 0 may wait `seconds` for another rank before it answers
+                self.comm.recv(verdict, 0, tag, async_op=True).wait(2 * seconds + 1)
             except CommError:  # timed out, or rank 0 left
                 raise RuntimeError(f"monitored_barrier: rank 0 of {self.comm.name} did not release "
-                                   f"rank {self.comm.rank} within {seconds} s") from None
+                                   f"rank {self.comm.rank} within {2 * seconds + 1:g} s") from None
+            if verdict[0] >= 0:
+                raise RuntimeError(f"monitored_barrier: rank {verdict[0]} of {self.comm.name} did not "
+                                   f"reach the barrier within {seconds:g} s (rank 0 says)")
             return None
-        waits = {r: self.comm.recv(token.copy(), r, MONITOR_TAG, async_op=True)
+        waits = {r: self.comm.recv(np.empty(1, np.int64), r, tag, async_op=True)
                  for r in range(1, self.comm.world_size)}
-        missing, deadline = [], time.monotonic() + seconds
+        missing, came, deadline = [], [], time.monotonic() + seconds
         for r, work in waits.items():
             try:
                 work.wait(max(0.001, deadline - time.monotonic()))
+                came.append(r)
             except CommError:  # timed out, or the rank left
                 missing.append(r)
-                if not wait_all_ranks:
-                    break
+        verdict[0] = missing[0] if missing else -1
+        for r in came:
+            self.comm.send(verdict, r, tag)
         if missing:
             which = f"ranks {missing}" if wait_all_ranks else f"rank {missing[0]}"
             raise RuntimeError(f"monitored_barrier: {which} of {self.comm.name} did not reach the "
-                               f"barrier within {seconds} s")
-        for r in waits:
-            self.comm.send(token, r, MONITOR_TAG)
+                               f"barrier within {seconds:g} s")
         return None
 
     def send(self, tensors, dstRank, tag=0):

@@ -76,6 +76,7 @@ def _shares_memory(tensor, wire):
         (tensor.is_complex() or tensor.dtype.itemsize == wire.itemsize)
 
 
+@torch.no_grad()  # a collective's write is not an operation of the autograd graph (as Gloo's)
 def _copy_back(tensor, flat):
     """Write the flat ``flat`` (wire elements) into ``tensor``."""
     if tensor.is_complex():

@@ -17,12 +17,14 @@ can finish) never deadlocks. Spare completers leave after a few idle seconds.
 >>> work.get_future().then(callback)   # DDP's comm hooks
 >>> work.wait()                        # t holds the sum, or ringcomm's error is raised
 """
+import logging
 import queue
 import threading
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
 SPARE_IDLE_S = 5.0  # a spare completer with nothing to do for this long leaves
 MAX_COMPLETERS = 64  # past this, completions wait for a completer to come back
 
@@ -43,8 +45,9 @@ class Completer:
             if spawn:
                 self._threads += 1
                 self._idle += 1
+                primary = self._threads == 1
         if spawn:
-            threading.Thread(target=self._loop, args=(self._threads == 1,), daemon=True,
+            threading.Thread(target=self._loop, args=(primary,), daemon=True,
                              name="ringcomm-torch-completer").start()
 
     def _loop(self, primary):
@@ -63,6 +66,8 @@ class Completer:
                 self._idle -= 1
             try:
                 fn()
+            except BaseException:  # noqa: BLE001 - a completer outlives what it completes
+                log.exception("completing a ringcomm future failed")
             finally:
                 with self._lock:
                     self._idle += 1
@@ -86,10 +91,10 @@ class TorchWork(dist._Work):
             self._finish_loans()
 
     def _finish_loans(self):
+        if self._after is not None:  # before the loans copy their arrays back
+            self._after()
         for loan in self._loans:
             loan.finish()
-        if self._after is not None:
-            self._after()
         self._loans = ()
 
     def _settle(self, timeout=None):
@@ -120,7 +125,13 @@ class TorchWork(dist._Work):
         return True
 
     def is_completed(self):
-        return self._work is None or self._work.is_completed()
+        """True once the call ended and its outputs hold their data (copies included)."""
+        if self._finished:
+            return True
+        if not self._work.is_completed():
+            return False
+        self._settle()
+        return True
 
     def is_success(self):
         return self.is_completed() and self.exception() is None

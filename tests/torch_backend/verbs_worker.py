@@ -21,7 +21,7 @@ R = dist.ReduceOp
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INTS = (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool)
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-6, torch.float64: 1e-12,
-             torch.complex64: 1e-6}
+             torch.complex64: 1e-6, torch.complex128: 1e-12}
 REPORT = []
 
 
@@ -107,6 +107,26 @@ def reductions():
     x = data(case, RANK, (13,), torch.float64)
     root = 1 % N
     check(case, lambda g: [_reduced(x, R.SUM, g, root)][:1 if RANK == root else 0], exact=N == 2)
+
+
+def beyond_gloo():
+    """dtypes Gloo refuses ("Invalid scalar type"), and complex128: checked against every
+    rank's seeded input, stacked and reduced here."""
+    for dtype in (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex128):
+        for op in (R.SUM,) if dtype.is_complex else (R.SUM, R.MAX, R.BXOR):
+            case = f"all_reduce {dtype} {op} against the stacked inputs"
+            inputs = [data(case, r, (9,), dtype) for r in range(N)]
+            got = _reduced(inputs[RANK], op, dist.group.WORLD)
+            wide = [t.to(torch.complex128 if dtype.is_complex else torch.int64) for t in inputs]
+            if op == R.SUM:
+                expected = sum(wide)
+            elif op == R.MAX:
+                expected = torch.stack(wide).amax(0)
+            else:
+                expected = wide[0]
+                for t in wide[1:]:
+                    expected = expected ^ t
+            REPORT.append([case, same(got, expected.to(dtype), exact=not dtype.is_complex or N == 2)])
 
 
 def _reduced(x, op, group, root=None):
@@ -241,6 +261,32 @@ def work_and_errors():
         z = torch.full((2,), float(RANK + 1))
         dist.all_reduce(z, group=pair)
         REPORT.append([case, None if z.tolist() == [3.0, 3.0] else str(z.tolist())])
+    case = "is_completed() only once copied outputs hold their data"
+    pieces = [torch.zeros(3, dtype=torch.bfloat16) for _ in range(N)]
+    work = dist.all_gather(pieces, torch.full((3,), float(RANK + 1), dtype=torch.bfloat16), async_op=True)
+    while not work.is_completed():
+        pass
+    REPORT.append([case, None if [p[0].item() for p in pieces] == [r + 1.0 for r in range(N)] else str(pieces)])
+    case = "all_reduce of a bfloat16 leaf that requires grad"
+
+    def leaf(group):
+        a = torch.full((4,), float(RANK + 1), dtype=torch.bfloat16, requires_grad=True)
+        dist.all_reduce(a, group=group)
+        return [a.detach()]
+    check(case, leaf)
+    # Gloo writes a strided view's numel elements as if it were contiguous (the other columns
+    # get them): the expected values are written out here instead
+    case = "all_reduce of a column of a leaf that requires grad"
+    b = torch.full((3, 4), float(RANK + 1), requires_grad=True)
+    dist.all_reduce(b[:, 1])
+    expected = torch.full((3, 4), float(RANK + 1))
+    expected[:, 1] = float(sum(range(1, N + 1)))
+    REPORT.append([case, same(b.detach(), expected, True)])
+    case = "reduce with PREMUL_SUM leaves other ranks' tensors alone"
+    x = torch.full((5,), float(RANK + 1), dtype=torch.float64)
+    dist.reduce(x, dst=0, op=dist._make_nccl_premul_sum(0.5))
+    expected = 0.5 * sum(range(1, N + 1)) if RANK == 0 else float(RANK + 1)
+    REPORT.append([case, None if x.tolist() == [expected] * 5 else str(x.tolist())])
     case = "mismatched sizes raise CollectiveMismatch from wait()"
     work = dist.all_reduce(torch.ones(3 + RANK), async_op=True)
     try:
@@ -263,7 +309,7 @@ def monitored_barrier_names_the_missing_rank():
         dist.distributed_c10d._get_default_group().monitored_barrier(timedelta(seconds=1), True)
         REPORT.append([case, "no error"])
     except RuntimeError as exc:
-        expected = f"ranks [{N - 1}]" if RANK == 0 else "did not release"
+        expected = f"ranks [{N - 1}]" if RANK == 0 else f"rank {N - 1} of world did not reach the barrier"
         REPORT.append([case, None if expected in str(exc) else str(exc)])
 
 
@@ -272,6 +318,7 @@ if __name__ == "__main__":
     RANK, N = dist.get_rank(), dist.get_world_size()
     GLOO = dist.new_group(backend="gloo")
     reductions()
+    beyond_gloo()
     movements()
     point_to_point()
     work_and_errors()
