@@ -18,9 +18,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
+
+from torch_backend import timed_steps
 
 from ringcomm.launch.config import free_port
 
@@ -48,14 +49,7 @@ def torch_worker(args):
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(local, widths[0], generator=generator)
     y = torch.randint(0, widths[-1], (local,), generator=generator)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
+    times, _ = timed_steps(model, optimizer, x, y, args.steps)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"step_times_s": times}, f)

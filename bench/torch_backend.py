@@ -29,6 +29,20 @@ WARMUP = 5
 LIBRARIES = ("ringcomm", "gloo")
 
 
+def timed_steps(model, optimizer, x, y, steps):
+    """Each step's wall time (zero_grad to the optimizer step), and the last loss."""
+    import torch
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return times, loss
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -64,14 +78,7 @@ def worker(args):
     local = int(args.batch_size) // n
     x = torch.randn(local, widths[0], generator=generator)
     y = torch.randint(0, widths[-1], (local,), generator=generator)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
+    times, loss = timed_steps(model, optimizer, x, y, args.steps)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())  # FSDP2: DTensors count globally
         with open(args.out, "w") as f:

@@ -44,6 +44,16 @@ def loss_of(net, x, y):
     return torch.nn.functional.mse_loss(net(x), y)
 
 
+def train(net, opt, data):
+    """Steps over ``data``; the last loss."""
+    for x, y in data:
+        loss = loss_of(net, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
 def ddp(group, hook=None, accumulate=False, uneven=False, **kw):
     net = DDP(model(), process_group=group, **kw)
     if hook == "fp16":
@@ -72,12 +82,7 @@ def zero(group):
     net = DDP(model(), process_group=group)
     opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, process_group=group,
                                   lr=0.01)
-    for x, y in batches(STEPS):
-        loss = loss_of(net, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return list(net.module.parameters()), loss
+    return list(net.module.parameters()), train(net, opt, batches(STEPS))
 
 
 def fsdp2(group):
@@ -89,12 +94,7 @@ def fsdp2(group):
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    opt = torch.optim.Adam(net.parameters(), lr=0.01)
-    for x, y in batches(STEPS):
-        loss = loss_of(net, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    loss = train(net, torch.optim.Adam(net.parameters(), lr=0.01), batches(STEPS))
     return [p.full_tensor() for p in net.parameters()], loss
 
 
