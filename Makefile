@@ -15,6 +15,14 @@ $(VENV)/.installed: setup.cfg pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
+# Open MPI from Debian (apt-get as root, else sudo -n; skipped, saying so, where neither
+# works): the tests run ringcomm under the real mpirun, the benchmarks compare with it.
+INSTALL_OPENMPI = if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "make: no apt-get: Open MPI not installed"; \
+	else SUDO=; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+	  ( $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q \
+	    openmpi-bin libopenmpi-dev ) || echo "make: Open MPI (apt) not installed; skipping it"; fi
+
 # PyTorch is the tests' independent numerical oracle. Only the CPU wheel 2.13.0 that lies on
 # this machine kind's disk is used (--no-index: never a multi-GB CUDA download); without it
 # the oracle tests are skipped, saying so.
@@ -23,18 +31,14 @@ $(VENV)/.installed-test: setup.cfg pyproject.toml | $(PY)
 	( $(PY) -m pip install --quiet --no-index --no-deps "torch==2.13.0" && \
 	  $(PY) -m pip install --quiet "torch==2.13.0" ) || \
 	  echo "make: PyTorch 2.13.0 (CPU) is not available offline; PyTorch oracle tests will be skipped"
+	@$(INSTALL_OPENMPI)
 	touch $@ $(VENV)/.installed
 
 # The bench extra (matplotlib, torch==2.13.0, mpi4py), piece by piece so that a missing peer
-# is skipped, not fatal: bench/peers.py then reports it missing. Open MPI comes from Debian
-# (apt-get as root, else sudo -n; skipped where neither works); torch only as the local CPU
-# wheel, as for the tests.
+# is skipped, not fatal: bench/peers.py then reports it missing. Open MPI as above; torch only
+# as the local CPU wheel, as for the tests.
 $(VENV)/.installed-bench: setup.cfg pyproject.toml | $(VENV)/.installed
-	@if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then :; \
-	elif ! command -v apt-get >/dev/null 2>&1; then echo "make: no apt-get: Open MPI not installed"; \
-	else SUDO=; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
-	  ( $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q \
-	    openmpi-bin libopenmpi-dev ) || echo "make: Open MPI (apt) not installed; skipping it"; fi
+	@$(INSTALL_OPENMPI)
 	$(PY) -m pip install --quiet "matplotlib>=3.7"
 	( $(PY) -m pip install --quiet --no-index --no-deps "torch==2.13.0" && \
 	  $(PY) -m pip install --quiet "torch==2.13.0" ) || \

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from . import env
+from . import env, torchrun
 from . import secret as job_secret
 from .comm import Communicator
 from .device import select as select_device
@@ -45,6 +45,8 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     env.validate(info)
     if os.environ.get("RINGCOMM_ERROR_FILE"):
         _report_to_launcher(os.environ["RINGCOMM_ERROR_FILE"])
+    if info.world_size > 1 and master_port is None and torchrun.uses_agent_store(os.environ):
+        info.master_port = torchrun.rendezvous_port(info, os.environ)  # torch's store has MASTER_PORT
     if info.world_size > 1:
         info.secret, info.secret_file = job_secret.resolve(info)
     if info.world_size == 1:

@@ -1,0 +1,62 @@
+"""ringcomm.init() under the launchers clusters already run, started for real: torchrun
+(whose agent's store holds MASTER_PORT) and Open MPI's mpirun. Skipped, saying why, where
+a launcher is not installed."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ringcomm.env import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+CHECK = r'''
+import os, sys
+import numpy as np, ringcomm
+comm = ringcomm.init(timeout=60)
+x = np.full(5, comm.rank + 1.0)
+comm.all_reduce(x)
+evens = comm.new_group([r for r in range(comm.world_size) if r % 2 == 0])
+y = np.array([comm.rank])
+if evens is not None:
+    evens.broadcast(y, root=evens.world_size - 1)
+with open(os.path.join(sys.argv[1], f"rank{comm.rank}.txt"), "w") as f:  # launchers mix stdout
+    f.write(f"rank={comm.rank} size={comm.world_size} local={comm.local_rank} sum={x[0]} evens={y[0]}")
+comm.close()
+'''
+
+
+def run(cmd, tmp_path, env=None):
+    script = tmp_path / "check.py"
+    script.write_text(CHECK)
+    done = subprocess.run([*cmd, str(script), str(tmp_path)], capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return sorted(path.read_text() for path in tmp_path.glob("rank*.txt"))
+
+
+def expected(n):
+    top_even = (n - 1) // 2 * 2
+    return sorted(f"rank={r} size={n} local={r} sum={n * (n + 1) / 2} evens={top_even if r % 2 == 0 else r}"
+                  for r in range(n))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_under_torchrun(tmp_path, n):
+    """torchrun's agent holds MASTER_PORT for its store; ringcomm's rendezvous takes its own."""
+    pytest.importorskip("torch", reason="torchrun comes with PyTorch (make test installs the CPU wheel)")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+    assert run(cmd, tmp_path) == expected(n)
+
+
+def test_under_mpirun(tmp_path):
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not found (apt-get install openmpi-bin)")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    port = free_port("127.0.0.1")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", *root, "--mca", "btl_tcp_if_include", "lo",
+           "--mca", "oob_tcp_if_include", "lo", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+           "-x", "OMP_NUM_THREADS", sys.executable]
+    assert run(cmd, tmp_path) == expected(2)
