@@ -97,16 +97,18 @@ class Work:
         with _DONE_LOCK:
             self._done = True
             callbacks, self._callbacks = self._callbacks, None
-        for fn in callbacks or ():
-            try:
-                fn(self)
-            except Exception:  # noqa: BLE001 - the work itself is done; its waiters go on
-                log.exception("a done-callback of %s failed", self.what)
-        with _DONE_LOCK:
-            self._settled = True
-            event = self._event
-        if event is not None:
-            event.set()
+        try:
+            for fn in callbacks or ():
+                try:
+                    fn(self)
+                except Exception:  # noqa: BLE001 - the work itself is done; its waiters go on
+                    log.exception("a done-callback of %s failed", self.what)
+        finally:  # whatever a callback did, the waiters are released
+            with _DONE_LOCK:
+                self._settled = True
+                event = self._event
+            if event is not None:
+                event.set()
 
     def add_done_callback(self, fn):
         """Call ``fn(work)`` once the work is done, successfully or not: at once if it is,
@@ -312,6 +314,8 @@ class Engine:
 
     def _hand_over(self, work):
         """Queue a started work for the communication thread, which only advances it."""
+        if work._done:  # finished just before an interruption: nothing left to do
+            return
         with self.lock:
             if self.closed:  # the thread is stopping: nobody would finish it
                 work._fail(CommError(f"{work.what}: communicator closed before it completed"))

@@ -3,10 +3,11 @@
 torchrun's agent hosts a TCPStore at ``MASTER_ADDR:MASTER_PORT`` and tells its workers so
 (``TORCHELASTIC_USE_AGENT_STORE=True``), so ringcomm's rank 0 cannot bind that port. It takes a
 free port on ``MASTER_ADDR`` instead and publishes it in the agent's store, under a key
-named by the run, the restart and how many worlds this process joined before; every rank
-reads it there. Needs torch, which torchrun comes with.
+named by the run and how many worlds this process joined before; every rank
+reads it there; rank 0 deletes the key once every rank has joined. Needs torch, which
+torchrun comes with.
 
->>> info.master_port = rendezvous_port(info, os.environ)   # in ringcomm.init, under torchrun
+>>> info.master_port, forget = rendezvous_port(info, os.environ)   # in ringcomm.init
 """
 import threading
 from datetime import timedelta
@@ -24,15 +25,17 @@ def uses_agent_store(environ):
 
 def rendezvous_port(info, environ):
     """The port of ringcomm's rendezvous on ``info.master_addr``, agreed through the agent's
-    store (rank 0 picks it); waits at most ``info.timeout`` for rank 0 to publish it."""
+    store (rank 0 picks it; the others wait at most ``info.timeout`` for it), and a function
+    for rank 0 to call once every rank has joined: it deletes the key, so that a later
+    generation of workers (torchrun keeps its store across restarts) never reads this port."""
     global _joins
     from torch.distributed import TCPStore
     with _lock:
         _joins += 1
-        key = "/".join(("ringcomm", environ.get("TORCHELASTIC_RUN_ID", ""),
-                        environ.get("TORCHELASTIC_RESTART_COUNT", "0"), str(_joins), "port"))
-    store = TCPStore(info.master_addr, info.master_port, is_master=False,
-                     timeout=timedelta(seconds=info.timeout))
+        key = f"ringcomm/{environ.get('TORCHELASTIC_RUN_ID', '')}/{_joins}/port"
+    # the store is where torchrun says, whatever init() was told about ringcomm's rendezvous
+    store = TCPStore(environ.get("MASTER_ADDR", info.master_addr), int(environ["MASTER_PORT"]),
+                     is_master=False, timeout=timedelta(seconds=info.timeout))
     if info.rank == 0:
         store.set(key, str(free_port(info.master_addr)))
-    return int(store.get(key))
+    return int(store.get(key)), lambda: store.delete_key(key)

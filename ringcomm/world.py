@@ -45,8 +45,9 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     env.validate(info)
     if os.environ.get("RINGCOMM_ERROR_FILE"):
         _report_to_launcher(os.environ["RINGCOMM_ERROR_FILE"])
+    forget = None  # a published rendezvous port, to delete once every rank has joined
     if info.world_size > 1 and master_port is None and torchrun.uses_agent_store(os.environ):
-        info.master_port = torchrun.rendezvous_port(info, os.environ)  # torch's store has MASTER_PORT
+        info.master_port, forget = torchrun.rendezvous_port(info, os.environ)  # MASTER_PORT is torch's
     if info.world_size > 1:
         info.secret, info.secret_file = job_secret.resolve(info)
     if info.world_size == 1:
@@ -61,6 +62,8 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     atexit.register(comm.close)
     if info.world_size > 1:
         comm.barrier()
+    if forget is not None and info.rank == 0:
+        forget()
     return comm
 
 

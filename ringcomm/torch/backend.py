@@ -3,8 +3,9 @@
 The default group joins ringcomm's world: its rank 0 takes a free port on the rendezvous
 address (``MASTER_ADDR``, else 127.0.0.1; so across hosts, rank 0 runs on ``MASTER_ADDR``'s
 host, as under torchrun) and publishes ``ADDR:PORT`` in torch's store under
-``ringcomm/rendezvous/K`` (the K-th default group of this process, since a store may outlive
-one); every rank reads it and calls :func:`ringcomm.init` there. So
+``ringcomm/rendezvous/K`` (the K-th default group of this process); every rank reads it and
+calls :func:`ringcomm.init` there, and rank 0 deletes it once all have joined (torchrun keeps
+its store across restarts). So
 torch's store keeps ``MASTER_PORT`` (torchrun's, or ringcomm's launcher's) and users set
 nothing more. Every later group is a members-only group of that world: torch.distributed
 asks a backend for a group on its members alone. Every wait is bounded by the group's torch
@@ -62,8 +63,10 @@ def _join(store, rank, size, timeout):
         addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
         store.set(key, f"{addr}:{free_port(addr)}")
     addr, port = store.get(key).decode().rsplit(":", 1)
-    return ringcomm.init(timeout=timeout, rank=rank, world_size=size, master_addr=addr,
-                         master_port=int(port))
+    world = ringcomm.init(timeout=timeout, rank=rank, world_size=size, master_addr=addr, master_port=int(port))
+    if rank == 0:  # every rank has joined (init ends with a barrier): a later world must not read it
+        store.delete_key(key)
+    return world
 
 
 def _forget(group):

@@ -106,6 +106,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _reduction(self, tensors, opts):
         op, factor = _reduce_op(opts.reduceOp)
         check_op(tensors, op)
+        if factor is not None and not (tensors[0].is_floating_point() or tensors[0].is_complex()):
+            raise ValueError(f"ringcomm: PREMUL_SUM scales floating-point tensors, not {tensors[0].dtype}")
         return op, factor
 
     # -- reductions -------------------------------------------------------------------------

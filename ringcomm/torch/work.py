@@ -108,13 +108,14 @@ class TorchWork(dist._Work):
                     raise
         with self._lock:
             if not self._finished:
-                self._finished = True
-                self._error = self._work.exception()
-                if self._error is None:
-                    try:
+                try:
+                    self._error = self._work.exception()
+                    if self._error is None:
                         self._finish_loans()
-                    except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                        self._error = exc
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    self._error = exc
+                finally:  # read without the lock by is_completed: set once the copies are done
+                    self._finished = True
         return self._error
 
     def wait(self, timeout=None):

@@ -60,3 +60,32 @@ def test_under_mpirun(tmp_path):
            "--mca", "oob_tcp_if_include", "lo", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
            "-x", "OMP_NUM_THREADS", sys.executable]
     assert run(cmd, tmp_path) == expected(2)
+
+
+RESTART = r'''
+import os, sys
+import numpy as np, ringcomm
+comm = ringcomm.init(timeout=30)
+x = np.full(3, comm.rank + 1.0)
+comm.all_reduce(x)
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+with open(os.path.join(sys.argv[1], f"attempt{attempt}-rank{comm.rank}.txt"), "w") as f:
+    f.write(str(x[0]))
+if attempt == "0" and comm.rank == 1:
+    os._exit(3)  # the agent restarts both workers: a new world, through the same store
+comm.close()
+'''
+
+
+def test_restart_under_torchrun(tmp_path):
+    """A restarted generation meets under a port of its own, never the dead one's."""
+    pytest.importorskip("torch", reason="torchrun comes with PyTorch")
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "1", str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=100, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {p.name: p.read_text() for p in tmp_path.glob("attempt*.txt")} == {
+        "attempt0-rank0.txt": "3.0", "attempt0-rank1.txt": "3.0", "attempt1-rank0.txt": "3.0",
+        "attempt1-rank1.txt": "3.0"}
