@@ -23,6 +23,14 @@ INSTALL_OPENMPI = if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev
 	  ( $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q \
 	    openmpi-bin libopenmpi-dev ) || echo "make: Open MPI (apt) not installed; skipping it"; fi
 
+# SLURM from Debian likewise (root only: its daemons run as root): the tests stand up a
+# one-machine cluster (tests/launch/slurm_cluster.py) and run ringcomm under the real srun.
+INSTALL_SLURM = if command -v srun >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "make: SLURM not installed (needs root and apt-get); the srun test will be skipped"; \
+	else ( apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmd slurmctld \
+	  slurm-client munge ) || echo "make: SLURM (apt) not installed; the srun test will be skipped"; fi
+
 # PyTorch is the tests' independent numerical oracle. Only the CPU wheel 2.13.0 that lies on
 # this machine kind's disk is used (--no-index: never a multi-GB CUDA download); without it
 # the oracle tests are skipped, saying so.
@@ -32,6 +40,7 @@ $(VENV)/.installed-test: setup.cfg pyproject.toml | $(PY)
 	  $(PY) -m pip install --quiet "torch==2.13.0" ) || \
 	  echo "make: PyTorch 2.13.0 (CPU) is not available offline; PyTorch oracle tests will be skipped"
 	@$(INSTALL_OPENMPI)
+	@$(INSTALL_SLURM)
 	touch $@ $(VENV)/.installed
 
 # The bench extra (matplotlib, torch==2.13.0, mpi4py), piece by piece so that a missing peer

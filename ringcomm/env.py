@@ -4,7 +4,9 @@ Read from the environment that a launcher leaves, in this order:
 
 - ``ringcomm.launch`` and torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``;
 - Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``;
-- SLURM's ``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NTASKS_PER_NODE``;
+- SLURM's ``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, and this node's
+  (``SLURM_NODEID``) count in ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_NTASKS_PER_NODE``,
+  ``SLURM_TASKS_PER_NODE``);
 - none of them: a single process (rank 0 of 1).
 
 ``MASTER_ADDR`` (default 127.0.0.1) and ``MASTER_PORT`` name rank 0's rendezvous. Settings:
@@ -41,7 +43,7 @@ _SOURCES = (
     ("launcher", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    ("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),  # see _slurm_tasks_here
 )
 
 
@@ -72,11 +74,33 @@ def _int(environ, name, default=None):
         if default is None:
             raise ValueError(f"environment variable {name} is not set")
         return default
-    # SLURM writes per-node task counts like "2(x3)": the count is the leading number
-    match = re.fullmatch(r"(\d+)(\(x\d+\))?(,.*)?" if name == "SLURM_NTASKS_PER_NODE" else r"(\d+)", value)
-    if not match:
+    if not re.fullmatch(r"\d+", value):
         raise ValueError(f"environment variable {name}={value!r} is not a non-negative integer")
-    return int(match.group(1))
+    return int(value)
+
+
+_SLURM_COUNTS = re.compile(r"\d+(\(x\d+\))?(,\d+(\(x\d+\))?)*")
+_SLURM_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def _slurm_tasks_here(environ, world_size):
+    """The tasks of this step on this node (``SLURM_NODEID``): SLURM writes per-node counts
+    like ``2(x3),1`` (three nodes of 2 tasks, then one of 1); without any, every task."""
+    for name in _SLURM_PER_NODE:
+        value = environ.get(name)
+        if not value:
+            continue
+        if not _SLURM_COUNTS.fullmatch(value):
+            raise ValueError(f"environment variable {name}={value!r} is not a SLURM task count list")
+        counts = []
+        for part in value.split(","):
+            count, _, times = part.partition("(x")
+            counts += [int(count)] * int(times.rstrip(")") or 1)
+        node = _int(environ, "SLURM_NODEID", 0)
+        if node >= len(counts):
+            raise ValueError(f"SLURM_NODEID={node} but {name}={value!r} names {len(counts)} nodes")
+        return counts[node]
+    return world_size
 
 
 def job_id(environ):
@@ -106,7 +130,8 @@ def from_environ(environ=None):
             info.rank = _int(environ, rank)
             info.world_size = _int(environ, size)
             info.local_rank = _int(environ, local_rank, 0)
-            info.local_world_size = _int(environ, local_size, info.world_size)
+            info.local_world_size = (_int(environ, local_size, info.world_size) if local_size
+                                     else _slurm_tasks_here(environ, info.world_size))
             break
     info.master_addr = environ.get("MASTER_ADDR") or "127.0.0.1"
     info.master_port = _int(environ, "MASTER_PORT", 0)

@@ -89,3 +89,17 @@ def test_restart_under_torchrun(tmp_path):
     assert {p.name: p.read_text() for p in tmp_path.glob("attempt*.txt")} == {
         "attempt0-rank0.txt": "3.0", "attempt0-rank1.txt": "3.0", "attempt1-rank0.txt": "3.0",
         "attempt1-rank1.txt": "3.0"}
+
+
+def test_under_srun(tmp_path):
+    """srun -n 4 on a one-machine SLURM stood up for the test (tests/launch/slurm_cluster.py)."""
+    from slurm_cluster import Unavailable, cluster
+    try:
+        with cluster() as env:
+            port = free_port("127.0.0.1")
+            lines = run(["srun", "-n", "4", "-O", "--export",
+                         f"ALL,MASTER_ADDR=127.0.0.1,MASTER_PORT={port},OMP_NUM_THREADS=1", sys.executable],
+                        tmp_path, env={"SLURM_CONF": env["SLURM_CONF"]})
+    except Unavailable as why:
+        pytest.skip(f"no one-machine SLURM here: {why}")
+    assert lines == expected(4)

@@ -85,6 +85,26 @@ def test_slurm():
     env.validate(info)
 
 
+@pytest.mark.parametrize("counts, node, here", [("3,1(x2)", "0", 3), ("3,1(x2)", "2", 1), ("2(x3)", "1", 2),
+                                               ("4", None, 4)])
+def test_slurm_tasks_on_this_node(counts, node, here):
+    """What srun sets by default (no --ntasks-per-node): the step's per-node counts."""
+    environ = {"SLURM_PROCID": "0", "SLURM_NTASKS": "5", "SLURM_STEP_TASKS_PER_NODE": counts}
+    if node is not None:
+        environ["SLURM_NODEID"] = node
+    assert env.from_environ(environ).local_world_size == here
+
+
+def test_slurm_without_per_node_counts_takes_one_node():
+    assert env.from_environ({"SLURM_PROCID": "1", "SLURM_NTASKS": "3"}).local_world_size == 3
+
+
+def test_slurm_node_beyond_the_counts_is_an_error():
+    with pytest.raises(ValueError, match="SLURM_NODEID=3"):
+        env.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+                          "SLURM_NODEID": "3"})
+
+
 def test_slurm_plain_tasks_per_node():
     info = env.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0",
                              "SLURM_NTASKS_PER_NODE": "4"})
