@@ -80,26 +80,32 @@ def _int(environ, name, default=None):
 
 
 _SLURM_COUNTS = re.compile(r"\d+(\(x\d+\))?(,\d+(\(x\d+\))?)*")
-_SLURM_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 
 
 def _slurm_tasks_here(environ, world_size):
-    """The tasks of this step on this node (``SLURM_NODEID``): SLURM writes per-node counts
-    like ``2(x3),1`` (three nodes of 2 tasks, then one of 1); without any, every task."""
-    for name in _SLURM_PER_NODE:
+    """The tasks of this step on this node (``SLURM_NODEID``): this node's entry of the
+    per-node counts SLURM writes like ``2(x3),1`` (three nodes of 2 tasks, then one of 1), in
+    ``SLURM_STEP_TASKS_PER_NODE`` (what srun sets) or ``SLURM_TASKS_PER_NODE``; else the one
+    count ``SLURM_NTASKS_PER_NODE`` asks of every node; else every task."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
         value = environ.get(name)
         if not value:
             continue
         if not _SLURM_COUNTS.fullmatch(value):
             raise ValueError(f"environment variable {name}={value!r} is not a SLURM task count list")
-        counts = []
-        for part in value.split(","):
-            count, _, times = part.partition("(x")
-            counts += [int(count)] * int(times.rstrip(")") or 1)
+        runs = [(int(count), int(times.rstrip(")") or 1))
+                for count, _, times in (part.partition("(x") for part in value.split(","))]
+        nodes = sum(times for _, times in runs)
+        if name == "SLURM_NTASKS_PER_NODE":
+            return runs[0][0]  # a request: the same count on every node
+        if "SLURM_NODEID" not in environ and nodes > 1:
+            raise ValueError(f"{name}={value!r} names {nodes} nodes but SLURM_NODEID is not set")
         node = _int(environ, "SLURM_NODEID", 0)
-        if node >= len(counts):
-            raise ValueError(f"SLURM_NODEID={node} but {name}={value!r} names {len(counts)} nodes")
-        return counts[node]
+        for count, times in runs:
+            if node < times:
+                return count
+            node -= times
+        raise ValueError(f"SLURM_NODEID={environ['SLURM_NODEID']} but {name}={value!r} names {nodes} nodes")
     return world_size
 
 

@@ -19,7 +19,8 @@ import time
 
 from ringcomm.env import free_port
 
-DAEMONS = ("srun", "sinfo", "slurmctld", "slurmd", "munged")
+DAEMONS = ("srun", "sinfo", "slurmctld", "slurmd", "munged", "munge", "unmunge")
+MUNGED_PID = "/run/munge/munged.pid"
 
 
 class Unavailable(Exception):
@@ -47,6 +48,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
+MessageTimeout=3
 SlurmdParameters=config_overrides
 NodeName={host} CPUs={cpus} State=UNKNOWN
 PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
@@ -62,6 +64,28 @@ def _munge_works():
         return False
 
 
+def _tail(path, lines=5):
+    with contextlib.suppress(OSError):
+        with open(path) as f:
+            return " | ".join(f.read().splitlines()[-lines:])
+    return ""
+
+
+def _start(cmd, env, what):
+    """Run a daemon's start command; Unavailable, with why, if it fails."""
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Unavailable(f"{what} did not start: {exc}") from None
+    if done.returncode:
+        raise Unavailable(f"{what} did not start (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+
+
+def _stop(pid_file):
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(open(pid_file).read()), 15)
+
+
 @contextlib.contextmanager
 def cluster():
     """The environment (``SLURM_CONF``) of a running one-machine cluster."""
@@ -70,41 +94,45 @@ def cluster():
         raise Unavailable(f"{', '.join(missing)} not found (apt-get install slurmd slurmctld slurm-client munge)")
     if os.geteuid() != 0:
         raise Unavailable("the one-machine SLURM runs its daemons as root")
-    started = []
+    started = []  # pid files of what this call started
     folder = tempfile.mkdtemp(prefix="ringcomm-slurm-")
     try:
         if not _munge_works():
             os.makedirs("/run/munge", exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
-            subprocess.run(["munged", "--force"], capture_output=True, timeout=10)
-            started.append("munged")
+            _start(["munged", "--force"], None, "munged")
+            started.append(MUNGED_PID)
             if not _munge_works():
-                raise Unavailable("munged did not start (see /var/log/munge)")
+                raise Unavailable("munged does not answer (see /var/log/munge)")
         for sub in ("state", "spool"):
             os.makedirs(os.path.join(folder, sub))
         conf = os.path.join(folder, "slurm.conf")
         with open(conf, "w") as f:
             f.write(_config(folder, socket.gethostname()))
-        env = dict(os.environ, SLURM_CONF=conf)
+        # the tests' SLURM alone: a CI that itself runs inside a SLURM job must not leak into it
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env["SLURM_CONF"] = conf
         for daemon in ("slurmctld", "slurmd"):
-            subprocess.run([daemon, "-f", conf], env=env, capture_output=True, timeout=20)
-            started.append(daemon)
+            started.append(os.path.join(folder, f"{daemon}.pid"))
+            _start([daemon, "-f", conf], env, daemon)
         deadline = time.monotonic() + 30
         while True:
-            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True, timeout=10)
-            if state.stdout.strip() == "idle":
+            try:  # with MessageTimeout=3 a dead controller answers within the timeout
+                state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True,
+                                       timeout=10).stdout.strip()
+            except subprocess.TimeoutExpired:
+                state = "no answer"
+            if state == "idle":
                 break
             if time.monotonic() > deadline:
-                raise Unavailable(f"the node did not come up: sinfo says {state.stdout.strip() or state.stderr.strip()!r}")
+                raise Unavailable(f"the node did not come up (sinfo: {state!r}); slurmctld: "
+                                  f"{_tail(os.path.join(folder, 'slurmctld.log'))}; slurmd: "
+                                  f"{_tail(os.path.join(folder, 'slurmd.log'))}")
             time.sleep(0.5)
         yield env
     finally:
-        for daemon in ("slurmd", "slurmctld"):
-            pid_file = os.path.join(folder, f"{daemon}.pid")
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(open(pid_file).read()), 15)
-        if "munged" in started:
-            subprocess.run(["pkill", "-x", "munged"], capture_output=True)
+        for pid_file in reversed(started):
+            _stop(pid_file)
         time.sleep(0.5)
         shutil.rmtree(folder, ignore_errors=True)
 

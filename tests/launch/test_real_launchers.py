@@ -1,6 +1,7 @@
 """ringcomm.init() under the launchers clusters already run, started for real: torchrun
-(whose agent's store holds MASTER_PORT) and Open MPI's mpirun. Skipped, saying why, where
-a launcher is not installed."""
+(whose agent's store holds MASTER_PORT, and a restart), Open MPI's mpirun, and SLURM's srun on
+a one-machine SLURM stood up for the test. Skipped, saying why, where a launcher is not
+installed (or, for SLURM, cannot be stood up here: not root, daemons that do not start)."""
 import os
 import shutil
 import subprocess
@@ -28,11 +29,11 @@ comm.close()
 '''
 
 
-def run(cmd, tmp_path, env=None):
+def run(cmd, tmp_path, env=None, replace=False):
     script = tmp_path / "check.py"
     script.write_text(CHECK)
     done = subprocess.run([*cmd, str(script), str(tmp_path)], capture_output=True, text=True, timeout=100,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+                          env=dict(env if replace else dict(os.environ, **(env or {})), OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return sorted(path.read_text() for path in tmp_path.glob("rank*.txt"))
 
@@ -99,7 +100,7 @@ def test_under_srun(tmp_path):
             port = free_port("127.0.0.1")
             lines = run(["srun", "-n", "4", "-O", "--export",
                          f"ALL,MASTER_ADDR=127.0.0.1,MASTER_PORT={port},OMP_NUM_THREADS=1", sys.executable],
-                        tmp_path, env={"SLURM_CONF": env["SLURM_CONF"]})
+                        tmp_path, env=env, replace=True)
     except Unavailable as why:
         pytest.skip(f"no one-machine SLURM here: {why}")
     assert lines == expected(4)

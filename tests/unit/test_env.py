@@ -99,6 +99,18 @@ def test_slurm_without_per_node_counts_takes_one_node():
     assert env.from_environ({"SLURM_PROCID": "1", "SLURM_NTASKS": "3"}).local_world_size == 3
 
 
+def test_slurm_ntasks_per_node_is_one_count_for_every_node():
+    environ = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "1"}
+    assert env.from_environ(environ).local_world_size == 4
+    environ["SLURM_TASKS_PER_NODE"] = "1(x4),4"  # the layout granted wins over the request
+    assert env.from_environ(environ).local_world_size == 1
+
+
+def test_slurm_several_nodes_without_a_node_id_is_an_error():
+    with pytest.raises(ValueError, match="SLURM_NODEID is not set"):
+        env.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"})
+
+
 def test_slurm_node_beyond_the_counts_is_an_error():
     with pytest.raises(ValueError, match="SLURM_NODEID=3"):
         env.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
