@@ -1,11 +1,13 @@
-"""Under torchrun: ringcomm's rendezvous beside torch's store.
+"""ringcomm's rendezvous beside a torch store: a port of its own, agreed through the store.
 
-torchrun's agent hosts a TCPStore at ``MASTER_ADDR:MASTER_PORT`` and tells its workers so
-(``TORCHELASTIC_USE_AGENT_STORE=True``), so ringcomm's rank 0 cannot bind that port. It takes a
-free port on ``MASTER_ADDR`` instead and publishes it in the agent's store, under a key
-named by the run and how many worlds this process joined before; every rank
-reads it there; rank 0 deletes the key once every rank has joined. Needs torch, which
-torchrun comes with.
+Two stores hold the port ringcomm's rank 0 would otherwise bind: torchrun's agent hosts a
+TCPStore at ``MASTER_ADDR:MASTER_PORT`` and tells its workers so
+(``TORCHELASTIC_USE_AGENT_STORE=True``), and ``init_process_group`` makes one there itself
+(the "ringcomm" torch backend). Either way rank 0 takes a free port on the rendezvous address
+and publishes ``ADDR:PORT`` in the store, under a key named by a scope and how many worlds
+this process joined this way before; every rank reads it there, and rank 0 deletes the key
+once every rank has joined (torchrun keeps its store across restarts: a later generation
+must never read a dead world's port). Needs torch, which torchrun comes with.
 
 >>> info.master_port, forget = rendezvous_port(info, os.environ)   # in ringcomm.init
 """
@@ -15,7 +17,7 @@ from datetime import timedelta
 from .env import free_port
 
 _lock = threading.Lock()
-_joins = 0  # worlds this process joined through the agent's store
+_joins = 0  # worlds this process joined through a torch store
 
 
 def uses_agent_store(environ):
@@ -23,19 +25,25 @@ def uses_agent_store(environ):
     return environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
-def rendezvous_port(info, environ):
-    """The port of ringcomm's rendezvous on ``info.master_addr``, agreed through the agent's
-    store (rank 0 picks it; the others wait at most ``info.timeout`` for it), and a function
-    for rank 0 to call once every rank has joined: it deletes the key, so that a later
-    generation of workers (torchrun keeps its store across restarts) never reads this port."""
+def agree(store, rank, addr, scope):
+    """``(addr, port, forget)``: the rendezvous rank 0 published in ``store`` (a free port on
+    ``addr``, its own), and for rank 0 to call once every rank has joined: deletes the key."""
     global _joins
-    from torch.distributed import TCPStore
     with _lock:
         _joins += 1
-        key = f"ringcomm/{environ.get('TORCHELASTIC_RUN_ID', '')}/{_joins}/port"
+        key = f"ringcomm/{scope}/{_joins}/rendezvous"
+    if rank == 0:
+        store.set(key, f"{addr}:{free_port(addr)}")
+    host, port = store.get(key).decode().rsplit(":", 1)
+    return host, int(port), lambda: store.delete_key(key)
+
+
+def rendezvous_port(info, environ):
+    """The port of ringcomm's rendezvous on ``info.master_addr``, agreed through torchrun's
+    agent store (the others wait at most ``info.timeout`` for rank 0), and ``forget``."""
+    from torch.distributed import TCPStore
     # the store is where torchrun says, whatever init() was told about ringcomm's rendezvous
     store = TCPStore(environ.get("MASTER_ADDR", info.master_addr), int(environ["MASTER_PORT"]),
                      is_master=False, timeout=timedelta(seconds=info.timeout))
-    if info.rank == 0:
-        store.set(key, str(free_port(info.master_addr)))
-    return int(store.get(key)), lambda: store.delete_key(key)
+    _, port, forget = agree(store, info.rank, info.master_addr, environ.get("TORCHELASTIC_RUN_ID", ""))
+    return port, forget

@@ -159,3 +159,16 @@ def spawn_job(script, world_size, env=None, timeout=60.0):
             err += f"\n[harness: killed after {timeout}s]"
         results.append((proc.returncode, out, err))
     return results
+
+
+def refusals(calls):
+    """``{name: the exception's type name, or None}`` for each misuse ``calls[name]()``, which
+    must raise TypeError or ValueError (anything else fails the test)."""
+    raised = {}
+    for name, call in calls.items():
+        try:
+            call()
+            raised[name] = None
+        except (TypeError, ValueError) as exc:
+            raised[name] = type(exc).__name__
+    return raised

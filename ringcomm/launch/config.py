@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import secret as job_secret
-from ..env import free_port  # noqa: F401 - the launcher's, and its users'
+from ..env import free_port
 
 DEFAULT_MODULE = "ringcomm.train"
 DEFAULT_ARGS = ("--main-job",)

@@ -1,11 +1,8 @@
 """The ringcomm communicators behind torch.distributed's process groups.
 
-The default group joins ringcomm's world: its rank 0 takes a free port on the rendezvous
-address (``MASTER_ADDR``, else 127.0.0.1; so across hosts, rank 0 runs on ``MASTER_ADDR``'s
-host, as under torchrun) and publishes ``ADDR:PORT`` in torch's store under
-``ringcomm/rendezvous/K`` (the K-th default group of this process); every rank reads it and
-calls :func:`ringcomm.init` there, and rank 0 deletes it once all have joined (torchrun keeps
-its store across restarts). So
+The default group joins ringcomm's world at a port of its own, agreed through torch's store
+(:func:`ringcomm.torchrun.agree`) on the rendezvous address (``MASTER_ADDR``, else
+127.0.0.1; so across hosts, rank 0 runs on ``MASTER_ADDR``'s host, as under torchrun). So
 torch's store keeps ``MASTER_PORT`` (torchrun's, or ringcomm's launcher's) and users set
 nothing more. Every later group is a members-only group of that world: torch.distributed
 asks a backend for a group on its members alone. Every wait is bounded by the group's torch
@@ -18,13 +15,11 @@ timeout (``init_process_group(timeout=...)``, torch's default 30 minutes).
 import os
 import threading
 
-from ..env import free_port
+from ..torchrun import agree
 from .process_group import ProcessGroupRingcomm
 
-RENDEZVOUS_KEY = "ringcomm/rendezvous"
 _lock = threading.Lock()
 _world = None  # the ringcomm world of the default group, while it lives
-_joins = 0  # default groups this process made: a store that outlives one keeps its keys
 
 
 def create(options, backend_options=None):
@@ -56,16 +51,10 @@ def _join(store, rank, size, timeout):
     import ringcomm
     if size == 1:
         return ringcomm.init(timeout=timeout, rank=0, world_size=1)
-    global _joins
-    _joins += 1
-    key = f"{RENDEZVOUS_KEY}/{_joins}"  # never the address a previous world published
-    if rank == 0:
-        addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        store.set(key, f"{addr}:{free_port(addr)}")
-    addr, port = store.get(key).decode().rsplit(":", 1)
-    world = ringcomm.init(timeout=timeout, rank=rank, world_size=size, master_addr=addr, master_port=int(port))
-    if rank == 0:  # every rank has joined (init ends with a barrier): a later world must not read it
-        store.delete_key(key)
+    addr, port, forget = agree(store, rank, os.environ.get("MASTER_ADDR") or "127.0.0.1", "default_pg")
+    world = ringcomm.init(timeout=timeout, rank=rank, world_size=size, master_addr=addr, master_port=port)
+    if rank == 0:  # every rank has joined (init ends with a barrier)
+        forget()
     return world
 
 

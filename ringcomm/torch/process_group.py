@@ -112,23 +112,18 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # -- reductions -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        opts = opts or dist.AllreduceOptions()
-        tensor = _one(tensors, "allreduce")
-        op, factor = self._reduction([tensor], opts)
-        loan = self._lend([tensor], reducing=True)
-        if factor is not None:
-            loan.array *= factor
-        return self._start(opts, [loan], tensors,
-                           lambda a: self.comm.all_reduce(loan.array, op, async_op=a))
+        return self._all_reduce([_one(tensors, "allreduce")], opts or dist.AllreduceOptions(), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """One all-reduce over the tensors laid end to end (one dtype)."""
-        opts = opts or dist.AllreduceCoalescedOptions()
+        return self._all_reduce(tensors, opts or dist.AllreduceCoalescedOptions(), tensors)
+
+    def _all_reduce(self, tensors, opts, result):
         op, factor = self._reduction(tensors, opts)
         loan = self._lend(tensors, reducing=True)
         if factor is not None:
             loan.array *= factor
-        return self._start(opts, [loan], tensors,
+        return self._start(opts, [loan], result,
                            lambda a: self.comm.all_reduce(loan.array, op, async_op=a))
 
     def reduce(self, tensors, opts=None):
@@ -233,8 +228,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         ys = self._lend(output_tensors, copy_in=False)
         # the blocks' sizes are this rank's own: another rank's may differ even where these
         # are equal, so the splits always go to ringcomm (which checks them across ranks)
-        ins = [b - a for _, a, b in xs.bounds()]
-        outs = [b - a for _, a, b in ys.bounds()]
+        ins = [b - a for _, a, b in xs.bounds]
+        outs = [b - a for _, a, b in ys.bounds]
         return self._start(opts, [xs, ys], output_tensors,
                            lambda a: self.comm.all_to_all(ys.array, xs.array, outs, ins, async_op=a))
 

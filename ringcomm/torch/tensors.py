@@ -98,39 +98,30 @@ class Loan:
             raise ValueError(f"ringcomm: tensors of several dtypes in one collective: "
                              f"{sorted({str(t.dtype) for t in self.tensors})}")
         wire = _wire_dtype(self.tensors[0].dtype, reducing) if self.tensors else torch.uint8
-        self._back = None  # (flat wire tensor, [(tensor, start, stop)]) to copy back
-        if len(self.tensors) == 1 and _shares_memory(self.tensors[0], wire):
-            flat = _wire_source(self.tensors[0], wire)
-        else:
-            flat = self._concatenate(wire, copy_in)
-            if output:
-                self._back = (flat, self.bounds())
-        self.array = _as_array(flat, cuda) if flat.numel() else _empty(wire, cuda)
-        self._flat = flat  # keeps a copy alive while ringcomm works on it
-
-    def bounds(self):
-        bounds, start = [], 0
+        self.bounds, start = [], 0  # (tensor, start, stop): each tensor's wire elements in the buffer
         for t in self.tensors:
             stop = start + t.numel() * (2 if t.is_complex() else 1)
-            bounds.append((t, start, stop))
+            self.bounds.append((t, start, stop))
             start = stop
-        return bounds
+        shared = len(self.tensors) == 1 and _shares_memory(self.tensors[0], wire)
+        # the buffer: the tensor itself, or a copy kept alive while ringcomm works on it
+        self._flat = _wire_source(self.tensors[0], wire) if shared else self._concatenate(wire, start, copy_in)
+        self._owed = output and not shared  # finish() still owes the tensors the buffer's values
+        self.array = _as_array(self._flat, cuda) if start else _empty(wire, cuda)
 
-    def _concatenate(self, wire, copy_in):
-        count = sum(t.numel() * (2 if t.is_complex() else 1) for t in self.tensors)
+    def _concatenate(self, wire, count, copy_in):
         device = self.tensors[0].device if self.tensors else "cpu"
         flat = torch.empty(count, dtype=wire, device=device)
         if copy_in:
-            for t, start, stop in self.bounds():
+            for t, start, stop in self.bounds:
                 flat[start:stop] = _wire_source(t, wire)
         return flat
 
     def finish(self):
-        back, self._back = self._back, None
-        if back is not None:
-            flat, bounds = back
-            for tensor, start, stop in bounds:
-                _copy_back(tensor, flat[start:stop])
+        if self._owed:
+            self._owed = False
+            for tensor, start, stop in self.bounds:
+                _copy_back(tensor, self._flat[start:stop])
 
 
 def _empty(wire, cuda):

@@ -67,7 +67,7 @@ def test_a_list_is_one_buffer_in_order():
     loan.array[:] = np.arange(5)
     loan.finish()
     assert [o.tolist() for o in outs] == [[0, 1], [2, 3, 4]]
-    assert [(a, b) for _, a, b in loan.bounds()] == [(0, 2), (2, 5)]
+    assert [(a, b) for _, a, b in loan.bounds] == [(0, 2), (2, 5)]
     ins = lend([torch.ones(2), torch.full((1,), 7.0)], output=False)
     assert ins.array.tolist() == [1.0, 1.0, 7.0]
 

@@ -66,3 +66,9 @@ def test_under_torchrun(tmp_path):
     for rank, report in enumerate(launch(tmp_path, "verbs_worker.py", 2, launcher="torchrun")):
         problems = {case: problem for case, problem in report if problem}
         assert len(report) >= 125 and not problems, f"rank {rank}: {problems}"
+
+
+def test_the_groups_timeout_bounds_a_wait(tmp_path):
+    """The timeout given to init_process_group is ringcomm's deadline for the group's waits."""
+    zero, _ = launch(tmp_path, "timeout_worker.py", 2)
+    assert zero["error"] == "CommTimeout" and 2.5 < zero["seconds"] < 7, zero
