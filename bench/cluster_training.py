@@ -6,7 +6,7 @@ an emulated cluster, where the network (not the CPU) is the limit.
 
 On one host, loopback is so fast that communication is CPU work, and with every core busy
 computing, overlap has nothing to hide behind (bench/training.py shows this). Here each rank
-runs in its own network namespace with a rate-limited link (bench/cluster.py builds it), so
+runs in its own network namespace with a rate-limited link (bench/netns.py builds it), so
 a bucket's all-reduce is mostly waiting for the wire, and DDP can run it while backward
 computes the next layers. Each repeat runs the two variants back to back (alternating, so
 noise hits both); the step time is rank 0's median step. Writes ``cluster_training.json``.
@@ -19,35 +19,28 @@ import signal
 import statistics
 import sys
 import tempfile
-import time
 
-import cluster as cl
+import netns
+
+PORT = 29611
 
 MODEL = ["--layers", "256,1024,1024,1024,1024,10", "--batch-size", "256", "--samples", "2048",
          "--bucket-mb", "1", "--strategy", "ddp"]
 
 
 def run_job(cluster, n, steps, extra, timeout=600):
-    secret, procs = secrets.token_hex(16), []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.json")
         os.chmod(tmp, 0o777)
         try:
-            for i in range(n):
-                env = dict(os.environ, RANK=str(i), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                           MASTER_ADDR=cluster.addr(0), MASTER_PORT=str(cl.PORT), RINGCOMM_SECRET=secret,
-                           RINGCOMM_TRANSPORT="tcp", RINGCOMM_IFADDR=cluster.addr(i), OMP_NUM_THREADS="1")
-                argv = [sys.executable, "-u", "-m", "ringcomm.train", "--steps", str(steps),
-                        "--metrics-json", path, *MODEL, *extra]
-                procs.append(cl.spawn(cluster, i, argv, env))
-            deadline = time.monotonic() + timeout
-            outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
-            if any(p.returncode for p in procs):
-                raise RuntimeError("training job failed:\n" + "\n".join(o[-1500:] for o in outs))
+            argv = ["-m", "ringcomm.train", "--steps", str(steps), "--metrics-json", path, *MODEL, *extra]
+            results = netns.finish(netns.launch(cluster, argv, PORT, secrets.token_hex(16)), timeout)
+            if any(rc for _, rc in results):
+                raise RuntimeError("training job failed:\n" + "\n".join(out[-1500:] for out, _ in results))
             with open(path) as f:
                 return json.load(f)
         finally:
-            cl.kill_started()
+            netns.kill_started()
 
 
 def main(argv=None):
@@ -58,11 +51,11 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = p.parse_args(argv)
-    why = cl.preflight()
+    why = netns.preflight()
     if why:
         print(f"cluster_training: cannot build the emulated cluster: {why}", file=sys.stderr)
         return 2
-    cluster = cl.Cluster(args.world_size, args.rate)
+    cluster = netns.Cluster(args.world_size, 1, args.rate)  # a host per rank
     results = {"world_size": args.world_size, "rate": args.rate, "model": MODEL, "overlap": [], "no_overlap": []}
     def stop(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")

@@ -75,7 +75,7 @@ class Call:
         link = Link(transport, ranks=comm.ranks, rank=comm.rank, comm_id=comm.comm_id, space=space,
                     seq=seq, sig=self.sig, dtype=self.dtype, segment_bytes=comm.segment_bytes,
                     deadline=time.monotonic() + comm.timeout, what=self.what, stats=comm._stats,
-                    device=self.device)
+                    device=self.device, topology=comm.topology)
         failed = True
         try:
             if space == 0:

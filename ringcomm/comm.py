@@ -36,6 +36,7 @@ from .errors import CollectiveMismatch, CommError
 from .link import HOST, Stats
 from .ops import parse_op
 from .threads import ThreadGuard
+from .topology import Topology
 
 ALGORITHMS = ("auto", *SCHEDULES)
 _EMPTY = np.empty(0, np.uint8)  # what a barrier signs for: no data
@@ -70,6 +71,7 @@ class Communicator:
         self._p2p_seq = defaultdict(int)   # (direction, peer, tag) -> next message number
         self._groups = groups.Counters()
         self._local = None  # see the `local` property
+        self._topology = None  # see the `topology` property
         self._schedules = {}  # (algorithm, collective) -> its function, found once
         self._stats = Stats()
         self._closed = False
@@ -300,6 +302,16 @@ class Communicator:
             self._local = all(r == me or r in lanes for r in self.ranks)
         return self._local
 
+    @property
+    def topology(self):
+        """Which ranks of this group share a host: a :class:`~ringcomm.topology.Topology`
+        (``comm.topology.hosts[r]``: the host number of group rank r), the same on every
+        rank. ``algorithm="hier"`` and ``stats()``'s intra/inter-host split follow it."""
+        if self._topology is None:
+            ids = self._engine.transport.host_ids
+            self._topology = Topology.of([ids[g] for g in self.ranks], self.rank)
+        return self._topology
+
     # -- the route of a call -----------------------------------------------------------------
     def _array(self, x, name, writable=True):
         return check_array(x, name, writable, self._device)
@@ -319,7 +331,8 @@ class Communicator:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         if algorithm == "auto":
             local = self._local if self._local is not None else self.local
-            algorithm = auto_algorithm(collective, self.world_size, nbytes, local)
+            topology = self._topology if self._topology is not None else self.topology
+            algorithm = auto_algorithm(collective, self.world_size, nbytes, local, topology)
         run = self._schedules.get((algorithm, collective))
         if run is None:
             run = self._schedules[(algorithm, collective)] = schedule(algorithm, collective)

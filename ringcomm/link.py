@@ -2,10 +2,13 @@
 
 A :class:`Link` translates group ranks to global ranks, stamps every message with the
 collective's identity (communicator, sequence number, step, segment) and signature, checks
-that what arrives has the dtype and length this rank expects, and counts payload bytes.
+that what arrives has the dtype and length this rank expects, and counts payload bytes
+(those that cross to another host apart). A schedule that runs in phases among subsets of
+the group (inside each host, then across hosts) gets a :class:`SubLink` for each phase.
 
 >>> # rank 1 of a group of 2, in collective #7:
 >>> link.send(0, step=0, segment=0, array=x[:4]); y = link.recv(0, 0, 0, count=4)
+>>> rail = link.sub((1, 3), phase=2)   # on group rank 3: rail.rank == 1, rail.send(0, ...) -> rank 1
 """
 from dataclasses import dataclass
 
@@ -18,16 +21,22 @@ from .transport.frame import Key, new_key
 
 @dataclass
 class Stats:
-    """Payload traffic of one communicator (headers are not counted)."""
+    """Payload traffic of one communicator (headers are not counted). ``as_dict`` splits the
+    bytes into ``*_intra_host`` (to and from ranks of this host) and ``*_inter_host``."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
     collectives: int = 0
+    bytes_sent_inter_host: int = 0
+    bytes_received_inter_host: int = 0
 
     def as_dict(self):
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        d["bytes_sent_intra_host"] = self.bytes_sent - self.bytes_sent_inter_host
+        d["bytes_received_intra_host"] = self.bytes_received - self.bytes_received_inter_host
+        return d
 
 
 HOST = HostDevice()
@@ -36,10 +45,10 @@ AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches 
 
 class Link:
     __slots__ = ("transport", "ranks", "rank", "size", "comm_id", "space", "seq", "sig", "dtype",
-                 "segment_bytes", "deadline", "what", "stats", "device")
+                 "segment_bytes", "deadline", "what", "stats", "device", "topology", "_remote")
 
     def __init__(self, transport, *, ranks, rank, comm_id, space, seq, sig, dtype,
-                 segment_bytes, deadline, what, stats, device=HOST):
+                 segment_bytes, deadline, what, stats, device=HOST, topology=None):
         self.transport = transport
         self.ranks = ranks          # group rank -> global rank
         self.rank = rank            # this process's group rank
@@ -49,6 +58,9 @@ class Link:
         self.segment_bytes = segment_bytes
         self.deadline, self.what, self.stats = deadline, what, stats
         self.device = device  # stages device segments through a pinned host buffer
+        # which group ranks share which host (None: all of them share this one)
+        self.topology = topology
+        self._remote = None if topology is None else topology.remote
         if space == 0:
             transport.started(comm_id, seq)
 
@@ -62,8 +74,11 @@ class Link:
             # buffer is free again at once
             array, copy = device.stage_out(array), True
         self.transport.send(self.ranks[peer], key, self.sig, array.view(np.uint8), copy=copy)
-        self.stats.bytes_sent += array.nbytes
-        self.stats.messages_sent += 1
+        stats = self.stats
+        stats.bytes_sent += array.nbytes
+        stats.messages_sent += 1
+        if self._remote is not None and self._remote[peer]:
+            stats.bytes_sent_inter_host += array.nbytes
 
     def recv(self, peer, step, segment, count, wait=True):
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
@@ -79,10 +94,17 @@ class Link:
                 f"{self.what}: rank {self.ranks[peer]} sent {nbytes} bytes for step {step} "
                 f"segment {segment}; rank {self.ranks[self.rank]} expects "
                 f"{count} x {self.dtype.name} = {count * self.dtype.itemsize} bytes")
-        self.stats.bytes_received += nbytes
-        self.stats.messages_received += 1
+        stats = self.stats
+        stats.bytes_received += nbytes
+        stats.messages_received += 1
+        if self._remote is not None and self._remote[peer]:
+            stats.bytes_received_inter_host += nbytes
         received = np.frombuffer(payload, self.dtype, count)
         return self.device.stage_in(received) if self.device.staged else received
+
+    def sub(self, members, phase):
+        """A :class:`SubLink` over the group ranks ``members`` (this rank among them)."""
+        return SubLink(self, members, phase)
 
     def agree(self):
         """Exchange an empty message with every other rank of the group, so that each rank
@@ -121,3 +143,33 @@ class Link:
                 f"{me} timed out waiting for rank {src}", rank=behind[0], cause="not started")
         timeout.rank = src
         return timeout
+
+
+class SubLink:
+    """Some of a :class:`Link`'s ranks, as a group of their own, for one phase of a schedule.
+
+    ``members``: the parent's group ranks, in the sub-group's rank order. Every step of
+    phase p is sent as step ``p << 24 | step`` of the parent's collective, so the phases of
+    one collective never share a message key; traffic is counted by the parent.
+
+    >>> # group ranks 0..3, two hosts {0, 1} and {2, 3}; on rank 3:
+    >>> host = link.sub((2, 3), phase=1)     # host.rank == 1, host.size == 2
+    >>> host.send(0, 0, 0, x)                # to group rank 2, step 1 << 24
+    """
+    __slots__ = ("parent", "members", "rank", "size", "segment_bytes", "device", "_base")
+
+    PHASE_BITS = 24
+
+    def __init__(self, parent, members, phase):
+        if not 0 < phase < 255:  # phase 255 would reach agree()'s step
+            raise ValueError(f"phase must be in [1, 254], got {phase}")
+        self.parent, self.members = parent, tuple(members)
+        self.rank, self.size = self.members.index(parent.rank), len(self.members)
+        self.segment_bytes, self.device = parent.segment_bytes, parent.device
+        self._base = phase << self.PHASE_BITS
+
+    def send(self, peer, step, segment, array, copy=False):
+        self.parent.send(self.members[peer], self._base | step, segment, array, copy)
+
+    def recv(self, peer, step, segment, count, wait=True):
+        return self.parent.recv(self.members[peer], self._base | step, segment, count, wait)

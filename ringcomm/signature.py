@@ -17,7 +17,7 @@ import numpy as np
 # frame's signature against its own, so a send and its recv must sign alike
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
                "barrier", "point_to_point", "gather", "scatter", "all_to_all")
-ALGORITHMS = ("none", "ring", "ps", "rd")
+ALGORITHMS = ("none", "ring", "ps", "rd", "hier")
 # new codes go at the end: a code's meaning never changes
 OPS = ("none", "sum", "avg", "max", "min", "prod", "band", "bor", "bxor")
 DTYPES = tuple(np.dtype(d) for d in (

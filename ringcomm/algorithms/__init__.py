@@ -7,6 +7,8 @@ views of the caller's buffers; they know nothing of sockets, threads or argument
 - :mod:`.ps`: the parameter-server baseline, everything through one rank; gather and
   scatter through their root.
 - :mod:`.rd`: recursive doubling for small all-reduces, the dissemination barrier.
+- :mod:`.hier`: for groups spread over several hosts: inside each host first, then across
+  hosts, one rail per local rank (all-reduce, reduce-scatter, all-gather, broadcast, reduce).
 - :mod:`.choice`: which of them ``algorithm="auto"`` runs, and the all-reduce byte formulas.
 
 Every schedule has the same form, ``module.<collective>(link, buffers..., root, op)`` (only
@@ -16,9 +18,9 @@ collectives it runs, so a communicator finds one by name:
 >>> schedule("ring", "reduce_scatter")(link, out, x, ReduceOp.SUM)
 >>> schedule("ps", "reduce")(link, x, 0, ReduceOp.MAX)          # root 0
 """
-from . import ps, rd, ring
+from . import hier, ps, rd, ring
 
-SCHEDULES = {"ring": ring, "ps": ps, "rd": rd}
+SCHEDULES = {"ring": ring, "ps": ps, "rd": rd, "hier": hier}
 
 
 def schedule(algorithm, collective):

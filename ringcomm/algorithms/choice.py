@@ -2,7 +2,9 @@
 
 Few-hop schedules for small messages (recursive doubling for all-reduce, the parameter
 server for broadcast and reduce), the ring otherwise; among ranks that share one host's
-shared-memory lanes recursive doubling keeps the all-reduce up to a larger size.
+shared-memory lanes recursive doubling keeps the all-reduce up to a larger size. Where the
+group spans several hosts and a host holds more than one rank, the hierarchical schedules
+(:mod:`.hier`) take what the ring would have.
 
 >>> auto_algorithm("all_reduce", 4, 256 << 10, local=True)     # 'rd'
 >>> all_reduce_bytes(4, 4 << 20, "ring")                       # 6291456.0 = 2(n-1)/n * S
@@ -21,20 +23,46 @@ SMALL_MESSAGE_BYTES = 64 * 1024
 LOCAL_ALL_REDUCE_RD_BYTES = 1 << 20
 
 
-def auto_algorithm(collective, n, nbytes, local=False):
+def auto_algorithm(collective, n, nbytes, local=False, topology=None):
     """What ``algorithm="auto"`` runs: few-hop schedules for small messages (recursive
     doubling for all-reduce, the parameter server for broadcast and reduce), the ring
     otherwise (all-to-all too); gather and scatter straight through their root; the
-    dissemination barrier. ``local``: every rank of the group shares this host's lanes."""
+    dissemination barrier. ``local``: every rank of the group shares this host's lanes.
+    ``topology`` (a :class:`~ringcomm.topology.Topology`): where it is layered, ``hier``
+    instead of the ring (reduce-scatter and all-gather: with as many ranks on every host)."""
     if collective == "barrier":
         return "rd"
     if collective in ("gather", "scatter"):
         return "ps"  # straight to or from the root: each byte makes one hop
+    layered = topology is not None and topology.layered
     if collective == "all_reduce" and n > 1:
-        return "rd" if nbytes <= (LOCAL_ALL_REDUCE_RD_BYTES if local else SMALL_MESSAGE_BYTES) else "ring"
-    if collective in ("broadcast", "reduce") and nbytes <= SMALL_MESSAGE_BYTES:
-        return "ps"
+        if nbytes <= (LOCAL_ALL_REDUCE_RD_BYTES if local else SMALL_MESSAGE_BYTES):
+            return "rd"
+        return "hier" if layered else "ring"
+    if collective in ("broadcast", "reduce"):
+        if nbytes <= SMALL_MESSAGE_BYTES:
+            return "ps"
+        return "hier" if layered else "ring"
+    if collective in ("reduce_scatter", "all_gather") and layered and topology.per_host:
+        return "hier"
     return "ring"
+
+
+def bandwidth_algorithm(topology):
+    """The schedule for large buffers whose traffic a training step's byte counts predict:
+    ``hier`` where ``topology`` is layered, else ``ring``. Both send 2(N−1)/N·S per rank in
+    an all-reduce ((N−1)/N·S in a reduce-scatter or all-gather); ``hier`` sends L times less
+    of it across hosts."""
+    return "hier" if topology.layered else "ring"
+
+
+def hier_all_reduce_bytes(hosts, per_host, nbytes):
+    """Payload bytes every rank sends in a hierarchical all-reduce of ``nbytes`` on ``hosts``
+    hosts of ``per_host`` ranks each, as (inside its host, across hosts):
+    2(L−1)/L·S and 2(H−1)/(HL)·S."""
+    inside = 2 * (per_host - 1) / per_host * nbytes
+    across = 2 * (hosts - 1) / (hosts * per_host) * nbytes
+    return inside, across
 
 
 def all_reduce_bytes(n, nbytes, algorithm="auto", local=False):

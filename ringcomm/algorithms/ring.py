@@ -39,21 +39,24 @@ from .chunks import receive_segments, segment_table, segments, send_segments
 _EMPTY = np.empty(0, np.uint8)
 
 
-def _pipeline(link, nsteps, nseg, first, count, on_receive):
-    """Drive ``nsteps`` ring steps of ``nseg`` segments each, wave by wave.
+def _pipeline(link, nsteps, nseg, first, count, on_receive, start=0):
+    """Drive ring steps ``start`` .. ``start + nsteps − 1`` of ``nseg`` segments each, wave
+    by wave.
 
-    ``first(j)``: what to send in step 0 for segment j. ``count(step, j)``: how many elements
-    arrive. ``on_receive(step, j, data)``: use them; returns what to forward in step+1.
+    ``first(j)``: what to send in step ``start`` for segment j. ``count(step, j)``: how many
+    elements arrive. ``on_receive(step, j, data)``: use them; returns what to forward in
+    step+1.
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
+    stop = start + nsteps
     for wave in range(nsteps + nseg - 1):
         if wave < nseg:
-            link.send(right, 0, wave, first(wave))
+            link.send(right, start, wave, first(wave))
         for j in range(max(0, wave - nsteps + 1), min(wave, nseg - 1) + 1):
-            step = wave - j
+            step = start + wave - j
             forward = on_receive(step, j, link.recv(left, step, j, count(step, j)))
-            if step + 1 < nsteps:
+            if step + 1 < stop:
                 link.send(right, step + 1, j, forward)
 
 
@@ -63,11 +66,37 @@ def _length(sl):
 
 def all_reduce(link, x, op):
     """In place on flat ``x``: every rank ends with ``op`` over all ranks' ``x``."""
-    n, r = link.size, link.rank
+    n = link.size
     if n == 1:
         finalize(op, x, 1)
         return
-    table = segment_table(x.size, n, x.itemsize, link.segment_bytes)
+    _all_reduce_steps(link, x, op, chunk_table(x, link), 0, 2 * (n - 1))
+
+
+def chunk_table(x, link):
+    """The segment table the in-place ring cuts flat ``x`` by (see :mod:`.chunks`)."""
+    return segment_table(x.size, link.size, x.itemsize, link.segment_bytes)
+
+
+def reduce_scatter_in_place(link, x, op, table):
+    """The first half of :func:`all_reduce`: rank r ends with chunk r+1 (mod n) of ``table``
+    reduced over all ranks (and finished with ``finalize(op, ·, n)``); other chunks of ``x``
+    hold partial results. n−1 steps, (n−1)/n·S bytes sent per rank."""
+    if link.size > 1:
+        _all_reduce_steps(link, x, op, table, 0, link.size - 1)
+
+
+def all_gather_in_place(link, x, table):
+    """The second half of :func:`all_reduce`: rank r holds chunk r+1 (mod n) of ``table``
+    and ends with every rank's. n−1 steps, (n−1)/n·S bytes sent per rank."""
+    n = link.size
+    if n > 1:
+        _all_reduce_steps(link, x, None, table, n - 1, 2 * (n - 1))
+
+
+def _all_reduce_steps(link, x, op, table, start, stop):
+    """Steps ``start`` .. ``stop − 1`` of the ring all-reduce on ``x`` cut by ``table``."""
+    n, r = link.size, link.rank
 
     def chunk_of(step):
         return table[(r - step - 1) % n]
@@ -82,8 +111,8 @@ def all_reduce(link, x, op):
             seg[...] = data
         return seg
 
-    _pipeline(link, 2 * (n - 1), len(table[0]), lambda j: x[table[r][j]],
-              lambda step, j: _length(chunk_of(step)[j]), on_receive)
+    _pipeline(link, stop - start, len(table[0]), lambda j: x[chunk_of(start - 1)[j]],
+              lambda step, j: _length(chunk_of(step)[j]), on_receive, start)
 
 
 def reduce_scatter(link, out, x, op):

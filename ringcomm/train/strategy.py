@@ -22,6 +22,7 @@ would reach, up to floating-point summation order.
 import numpy as np
 
 from .. import kernels
+from ..algorithms.choice import bandwidth_algorithm
 from ..device import array_module, cast_into, copy_into, to_host
 from .memory import predicted
 from .layout import Countdown, Layout
@@ -42,6 +43,8 @@ class Strategy:
         of their own (see :class:`.layout.Layout`)."""
         self.comm, self.meta, self.side = group, meta, side
         self.rank, self.n = group.rank, group.world_size
+        # gradients and shards: the ring, or inside hosts first where the group spans several
+        self.algorithm = bandwidth_algorithm(group.topology)
         self.cfg, self.reg, self.trace = cfg, registry, tracer
         self.xp = registry.xp  # numpy, or cupy when training on a GPU
         self.members = layer_members
@@ -213,7 +216,7 @@ class Replicated(Strategy):
     def grad_done(self, p):
         unit = self._countdown.done(p)
         if unit is not None and self.cfg.overlap and self.n > 1:
-            work = self.comm.all_reduce(self.flat_grads[unit.start:unit.stop], algorithm="ring", async_op=True)
+            work = self.comm.all_reduce(self.flat_grads[unit.start:unit.stop], algorithm=self.algorithm, async_op=True)
             self._pending.append((unit, work))
 
     def finish_backward(self):
@@ -222,7 +225,7 @@ class Replicated(Strategy):
             return
         if not self.cfg.overlap:
             for unit in self.layout.units:
-                work = self.comm.all_reduce(self.flat_grads[unit.start:unit.stop], algorithm="ring",
+                work = self.comm.all_reduce(self.flat_grads[unit.start:unit.stop], algorithm=self.algorithm,
                                             async_op=True)
                 self._pending.append((unit, work))
         for unit, work in self._pending:

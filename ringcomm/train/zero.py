@@ -103,7 +103,7 @@ class Zero(Strategy):
         buffer = self.reg.alloc("params", f"gathered unit {unit.index}", unit.padded, self.dtype)
         mine = buffer[self.rank * unit.shard_size:(self.rank + 1) * unit.shard_size]
         mine[...] = self.layout.shard_view(self.param_shard, unit)
-        work = self.comm.all_gather(buffer, mine, algorithm="ring", async_op=True)
+        work = self.comm.all_gather(buffer, mine, algorithm=self.algorithm, async_op=True)
         self._gathered[unit.index] = (buffer, work)
 
     def release_layer(self, i, phase):
@@ -153,7 +153,7 @@ class Zero(Strategy):
         else:  # in place: this rank's slice of the unit receives the sum
             source = self.flat_grads[unit.start:unit.stop]
             out = self.flat_grads[slice(*unit.own_range(self.rank))]
-        work = self.comm.reduce_scatter(out, source, algorithm="ring", async_op=True)
+        work = self.comm.reduce_scatter(out, source, algorithm=self.algorithm, async_op=True)
         self._pending.append((unit, work))
 
     def _free_finished(self, wait=False):
@@ -212,7 +212,7 @@ class Zero(Strategy):
         for unit in self.layout.units:
             full = self.flat_params[unit.start:unit.stop]
             mine = self.flat_params[slice(*unit.own_range(self.rank))]
-            works.append((unit, self.comm.all_gather(full, mine, algorithm="ring", async_op=True)))
+            works.append((unit, self.comm.all_gather(full, mine, algorithm=self.algorithm, async_op=True)))
         for unit, work in works:
             work.wait()
             self.trace.comm(f"all_gather params unit {unit.index}", work)
@@ -259,5 +259,5 @@ class Zero(Strategy):
             self.layout.scatter_shard(shard, self.flat_params, self.rank)
             for unit in self.layout.units:
                 full = self.flat_params[unit.start:unit.stop]
-                self.comm.all_gather(full, self.flat_params[slice(*unit.own_range(self.rank))], algorithm="ring")
+                self.comm.all_gather(full, self.flat_params[slice(*unit.own_range(self.rank))], algorithm=self.algorithm)
         self.optimizer.load_state(state)

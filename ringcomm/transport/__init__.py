@@ -59,7 +59,7 @@ def connect(info):
         guard = Guard(context, info.secret, info.world_size, info.encrypt)
         need_tcp = info.force_tcp or info.local_world_size < info.world_size
         pull, entry = rendezvous.bind_pull(context, info.master_addr, info.segment_bytes + 8192,
-                                           guard, need_tcp)
+                                           guard, need_tcp, info.local_rank)
         entry["shm"] = _shared_memory_entry(info)
         settings = {"segment_bytes": info.segment_bytes,
                     "shm_slots": info.shm_slots if info.shared_memory else 0,
@@ -68,12 +68,14 @@ def connect(info):
                                     info.master_port, entry, settings, info.secret, info.job,
                                     info.timeout)
         _forget_secret_file(info)  # every rank has joined: all of them know the secret
-        endpoints = rendezvous.endpoints_for(entry, table, info.force_tcp)
+        endpoints = rendezvous.endpoints_for(entry, table, info.force_tcp,
+                                             source=rendezvous.chosen_ip(info.local_rank))
         transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints,
                                  [e["id"] for e in table], guard=guard,
                                  cleanup=rendezvous.socket_files(entry),
                                  lanes=_lane_plan(info, entry, table),
                                  bound={"ipc": entry["ipc"], "tcp": entry["tcp"], "id": entry["id"]})
+        transport.host_ids = tuple(e["host"] for e in table)
         try:
             transport.await_connections(time.monotonic() + info.timeout)
             transport.open_lanes(time.monotonic() + info.timeout)

@@ -36,6 +36,8 @@ class Transport(ABC):
     def __init__(self, rank, world_size):
         self.rank = rank
         self.world_size = world_size
+        # global rank -> the name of its host (see rendezvous.host_id); one host unless told
+        self.host_ids = (0,) * world_size
         self.window = P2P_WINDOW_BYTES
         self.mailbox = Mailbox(self.window, self.max_lead)
         self._unacked = collections.defaultdict(int)  # (peer, comm, tag) -> bytes in flight

@@ -6,6 +6,7 @@ algorithm that reuses a buffer too early is caught. ``hub.log`` records every me
 ``(src, dst, key, nbytes, kind)`` so tests can assert the *structure* of a schedule.
 
 >>> hub = LocalHub(2); t0, t1 = hub.transport(0), hub.transport(1)
+>>> hub = LocalHub(4, hosts=[0, 0, 1, 1])  # ranks 0, 1 on one "host", 2, 3 on another
 """
 import queue
 import threading
@@ -15,8 +16,9 @@ from .base import Transport
 
 
 class LocalHub:
-    def __init__(self, world_size):
+    def __init__(self, world_size, hosts=None):
         self.world_size = world_size
+        self.hosts = tuple(hosts) if hosts is not None else (0,) * world_size  # rank -> host
         self.queues = [queue.Queue() for _ in range(world_size)]
         self.log = []
         self._lock = threading.Lock()
@@ -29,6 +31,7 @@ class LocalTransport(Transport):
     def __init__(self, rank, hub):
         super().__init__(rank, hub.world_size)
         self.hub = hub
+        self.host_ids = hub.hosts
 
     def _post(self, dst, header, payload, copy=False):
         data = bytes(memoryview(payload).cast("B")) if not isinstance(payload, bytes) else payload

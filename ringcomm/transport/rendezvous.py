@@ -61,10 +61,27 @@ def host_id():
     return "/".join([socket.gethostname(), boot, *namespaces])
 
 
-def local_ip(master_addr):
-    """The address of this host's interface towards ``master_addr`` (loopback stays loopback)."""
-    if os.environ.get("RINGCOMM_IFADDR"):
-        return os.environ["RINGCOMM_IFADDR"]
+def chosen_ip(local_rank=0):
+    """The address ``RINGCOMM_IFADDR`` gives this rank, or ``None``: one address for every
+    rank of the host, or a comma-separated list of one per local rank (a host with a
+    network interface per rank)."""
+    given = [a.strip() for a in os.environ.get("RINGCOMM_IFADDR", "").split(",") if a.strip()]
+    if not given:
+        return None
+    if len(given) == 1:
+        return given[0]
+    if not 0 <= local_rank < len(given):
+        raise CommError(f"RINGCOMM_IFADDR lists {len(given)} addresses, one per local rank, "
+                        f"but this rank's local rank is {local_rank}")
+    return given[local_rank]
+
+
+def local_ip(master_addr, local_rank=0):
+    """The address of this host's interface towards ``master_addr`` (loopback stays
+    loopback), unless ``RINGCOMM_IFADDR`` names one (see :func:`chosen_ip`)."""
+    chosen = chosen_ip(local_rank)
+    if chosen:
+        return chosen
     ip = socket.gethostbyname(master_addr)
     if ip.startswith("127."):
         return "127.0.0.1"
@@ -73,11 +90,12 @@ def local_ip(master_addr):
         return probe.getsockname()[0]
 
 
-def bind_pull(context, master_addr, max_message_bytes, guard, need_tcp):
+def bind_pull(context, master_addr, max_message_bytes, guard, need_tcp, local_rank=0):
     """This rank's inbound socket, bound to an ipc path in this user's private run directory
     (:mod:`ringcomm.rundir`) and, when ``need_tcp`` (peers on other hosts, or
-    ``RINGCOMM_TRANSPORT=tcp``), to a TCP port; and its table entry. ``guard`` (a
-    :class:`~.security.Guard`) makes it refuse peers that do not prove the job secret."""
+    ``RINGCOMM_TRANSPORT=tcp``), to a TCP port on :func:`local_ip`; and its table entry.
+    ``guard`` (a :class:`~.security.Guard`) makes it refuse peers that do not prove the job
+    secret."""
     pull = context.socket(zmq.PULL)
     guard.server(pull)
     pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -87,7 +105,7 @@ def bind_pull(context, master_addr, max_message_bytes, guard, need_tcp):
     pull.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     tcp = None
     if need_tcp:
-        ip = local_ip(master_addr)
+        ip = local_ip(master_addr, local_rank)
         tcp = f"tcp://{ip}:{pull.bind_to_random_port(f'tcp://{ip}')}"
     directory = rundir.path()
     rundir.remove_stale(directory)
@@ -102,14 +120,16 @@ def bind_pull(context, master_addr, max_message_bytes, guard, need_tcp):
     return pull, entry
 
 
-def endpoints_for(me, table, force_tcp=False):
-    """The address this rank uses to reach each rank of ``table``."""
+def endpoints_for(me, table, force_tcp=False, source=None):
+    """The address this rank uses to reach each rank of ``table``; TCP connections leave
+    from address ``source`` when given (a rank with a network interface of its own)."""
     endpoints = []
     for r, e in enumerate(table):
         if e["host"] == me["host"] and not force_tcp:
             endpoints.append(e["ipc"])
         elif e.get("tcp"):
-            endpoints.append(e["tcp"])
+            # ZeroMQ's "source;destination" form: port 0, any free port on that address
+            endpoints.append(e["tcp"] if source is None else f"tcp://{source}:0;{e['tcp'][len('tcp://'):]}")
         else:
             raise CommError(f"rank {r} runs on another host but offers no TCP address: "
                             f"LOCAL_WORLD_SIZE said every rank shares one host")

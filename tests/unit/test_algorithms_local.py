@@ -16,6 +16,7 @@ from ringcomm.errors import CollectiveMismatch, CommTimeout, SignatureMismatch
 from ringcomm.link import Link, Stats
 from ringcomm.ops import parse_op
 from ringcomm.transport.frame import Kind
+from ringcomm.topology import Topology
 from ringcomm.transport.local import LocalHub
 from ringcomm.transport.mailbox import AbortNotice
 
@@ -48,9 +49,10 @@ class Ranks:
 
 
 def run_ranks(n, body, *, dtype=np.float32, sig=None, sigs=None, timeout=10.0, timeouts=None,
-              segment_bytes=SEG, comm_id=0, seq=0):
-    """Run ``body(rank, link)`` for every rank in its own thread, on one shared LocalHub."""
-    hub = LocalHub(n)
+              segment_bytes=SEG, comm_id=0, seq=0, hosts=None):
+    """Run ``body(rank, link)`` for every rank in its own thread, on one shared LocalHub
+    (``hosts[r]``: rank r's host; the links then carry that topology)."""
+    hub = LocalHub(n, hosts)
     transports = [hub.transport(r) for r in range(n)]
     if sigs is None:
         sigs = [sig if sig is not None else signature.pack("all_reduce", dtype, "sum", "ring", 0, 0)] * n
@@ -62,7 +64,8 @@ def run_ranks(n, body, *, dtype=np.float32, sig=None, sigs=None, timeout=10.0, t
     def target(r):
         link = Link(transports[r], ranks=list(range(n)), rank=r, comm_id=comm_id, space=0,
                     seq=seq, sig=sigs[r], dtype=dtype, segment_bytes=segment_bytes,
-                    deadline=time.monotonic() + timeouts[r], what="test", stats=stats[r])
+                    deadline=time.monotonic() + timeouts[r], what="test", stats=stats[r],
+                    topology=None if hosts is None else Topology.of(hosts, r))
         try:
             results[r] = body(r, link)
         except BaseException as exc:  # noqa: BLE001 - handed back to the test

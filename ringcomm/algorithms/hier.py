@@ -1,0 +1,187 @@
+"""Hierarchical schedules: keep to the host first, cross the network once per rail.
+
+For a group spread over H hosts with L ranks on each (words: :mod:`ringcomm.topology`;
+rank r's host, local rank and rail come from ``link.topology``). Each phase runs an
+existing schedule on a :class:`~ringcomm.link.SubLink` of the ranks it involves.
+
+**All-reduce** of S bytes, in place:
+
+1. reduce-scatter inside each host (ring over its L ranks, shared-memory lanes): local rank
+   i ends with chunk i+1 (mod L) of the host's sum, S/L bytes;
+2. all-reduce of that chunk along rail i (ring over the H hosts);
+3. all-gather inside each host.
+
+Inter-host bytes sent per rank: 2(H−1)/H · S/L. A flat ring over the same ranks (hosts in
+group-rank order) makes every rank at a host boundary send 2(N−1)/N · S across it, N = HL:
+about L times more on that link. Intra-host bytes per rank: 2(L−1)/L · S.
+
+**Reduce-scatter** (``out`` of m elements from ``x`` of N·m): reduce-scatter inside the
+host of a copy of ``x`` ordered by rail (local rank i keeps the H chunks of rail i), then
+reduce-scatter along the rail; inter-host bytes per rank (H−1)·m. **All-gather** is the
+mirror: along the rail first, then inside the host, then the chunks back into rank order.
+
+**Broadcast** and **reduce**: one chain across hosts through one rank per host (the root on
+its own host, the lowest group rank elsewhere: the host's *leader*), and inside each host a
+fan-out from the leader (reduce: into it) for messages up to ``SMALL_MESSAGE_BYTES``, a
+pipelined chain above. Each host's network link carries S once.
+
+Hosts holding different numbers of ranks: all-reduce reduces into each host's leader, runs
+the ring among the leaders and broadcasts inside each host (the leader's link carries
+2(H−1)/H · S); reduce-scatter and all-gather run the flat ring. A group on one host, or with
+one rank per host, runs the flat ring throughout.
+
+The partial sums of phases 1 and 2 are reduced with ``op`` but not finished: ``avg`` divides
+once, by N, where a chunk is finished, so every rank copies the same bits.
+"""
+import numpy as np
+
+from ..ops import ReduceOp, finalize
+from . import ps, ring
+from .choice import SMALL_MESSAGE_BYTES
+
+# the phases of one collective: each gets its own message keys (see SubLink)
+HOST, RAIL, HOST_AGAIN = 1, 2, 3
+
+
+def _partial(op):
+    """The op that reduces partial results: ``avg`` sums, and divides once at the end."""
+    return ReduceOp.SUM if op is ReduceOp.AVG else op
+
+
+def _empty(like, count):
+    return np.empty_like(like, shape=(count,))  # a CuPy array for a CuPy ``like``
+
+
+def all_reduce(link, x, op):
+    """In place on flat ``x``: every rank ends with ``op`` over all ranks' ``x``."""
+    top, n = link.topology, link.size
+    if top is None or not top.layered:
+        return ring.all_reduce(link, x, op)
+    if top.per_host is None:
+        return _all_reduce_via_leaders(link, x, op)
+    me = link.rank
+    host = link.sub(top.host_ranks[top.hosts[me]], HOST)
+    local = host.rank
+    table = ring.chunk_table(x, host)
+    mine = table[(local + 1) % host.size]  # the chunk this rank finishes in phase 1
+    chunk = x[mine[0].start:mine[-1].stop]
+    ring.reduce_scatter_in_place(host, x, _partial(op), table)
+    ring.all_reduce(link.sub(top.rail(local), RAIL), chunk, _partial(op))
+    finalize(op, chunk, n)
+    ring.all_gather_in_place(link.sub(top.host_ranks[top.hosts[me]], HOST_AGAIN), x, table)
+
+
+def _all_reduce_via_leaders(link, x, op):
+    """Uneven hosts: into each host's leader, the ring among the leaders, back out."""
+    top = link.topology
+    host, leaders, lead = _host_and_leaders(link, root=None)
+    _reduce_in(host, x, lead, _partial(op), keep=False)
+    if leaders is not None:
+        ring.all_reduce(leaders, x, _partial(op))
+        finalize(op, x, link.size)
+    _broadcast_in(link.sub(top.host_ranks[top.hosts[link.rank]], HOST_AGAIN), x, lead)
+
+
+def _by_rail(top, m):
+    """For each group rank g, where its m-element chunk lies in a buffer ordered by rail:
+    rail i's H chunks (in host order) form piece i, and piece i+1 (mod L) is the one local
+    rank i finishes in a ring reduce-scatter inside the host."""
+    L, H = top.per_host, top.num_hosts
+    at = [0] * len(top.hosts)
+    for h, members in enumerate(top.host_ranks):
+        for i, g in enumerate(members):
+            at[g] = (((i + 1) % L) * H + h) * m
+    return at
+
+
+def reduce_scatter(link, out, x, op):
+    """``out`` (m elements) gets chunk ``rank`` of ``op`` over all ranks' ``x`` (n·m);
+    ``x`` is not modified."""
+    top, n, m = link.topology, link.size, out.size
+    if top is None or not top.layered or top.per_host is None:
+        return ring.reduce_scatter(link, out, x, op)
+    me = link.rank
+    at = _by_rail(top, m)
+    buf = _empty(x, x.size)
+    for g in range(n):
+        buf[at[g]:at[g] + m] = x[g * m:(g + 1) * m]
+    host = link.sub(top.host_ranks[top.hosts[me]], HOST)
+    table = ring.chunk_table(buf, host)
+    ring.reduce_scatter_in_place(host, buf, _partial(op), table)
+    piece = buf[at[top.host_ranks[0][top.local_rank(me)]]:][:top.num_hosts * m]
+    ring.reduce_scatter(link.sub(top.rail(host.rank), RAIL), out, piece, _partial(op))
+    finalize(op, out, n)
+
+
+def all_gather(link, out, x):
+    """``out`` (n·m elements) gets every rank's ``x`` (m elements), in rank order."""
+    top, n, m = link.topology, link.size, x.size
+    if top is None or not top.layered or top.per_host is None:
+        return ring.all_gather(link, out, x)
+    me = link.rank
+    at = _by_rail(top, m)
+    host = link.sub(top.host_ranks[top.hosts[me]], HOST)
+    rail = link.sub(top.rail(host.rank), RAIL)
+    buf = _empty(out, out.size)
+    piece = buf[at[top.host_ranks[0][host.rank]]:][:top.num_hosts * m]
+    ring.all_gather(rail, piece, x)
+    ring.all_gather_in_place(host, buf, ring.chunk_table(buf, host))
+    for g in range(n):
+        out[g * m:(g + 1) * m] = buf[at[g]:at[g] + m]
+
+
+def _host_and_leaders(link, root):
+    """This rank's host as a SubLink, the leaders as one (``None`` unless this rank leads
+    its host) and the leader's place in the host. Leaders are ordered host by host from the
+    root's host on (host 0's without a root), so the root is leader 0."""
+    top, me = link.topology, link.rank
+    heads = [root if root is not None and top.hosts[root] == h else members[0]
+             for h, members in enumerate(top.host_ranks)]
+    members = top.host_ranks[top.hosts[me]]
+    lead = members.index(heads[top.hosts[me]])
+    first = 0 if root is None else top.hosts[root]
+    heads = heads[first:] + heads[:first]
+    return link.sub(members, HOST), (link.sub(heads, RAIL) if me in heads else None), lead
+
+
+def _broadcast_in(host, x, lead):
+    if host.size > 1:
+        (ps if x.nbytes <= SMALL_MESSAGE_BYTES else ring).broadcast(host, x, lead)
+
+
+def _reduce_in(host, x, lead, op, keep):
+    """Reduce the host's ``x`` into its leader's; ``keep``: the leader reduces into a copy
+    and returns it (its ``x`` must stay as it was). Returns the leader's result."""
+    if host.size == 1:
+        return x
+    acc = x.copy() if keep and host.rank == lead else x
+    (ps if x.nbytes <= SMALL_MESSAGE_BYTES else ring).reduce(host, acc, lead, op)
+    return acc
+
+
+def broadcast(link, x, root):
+    """In place: ``x`` of ``root`` reaches every rank, crossing each host boundary once."""
+    top = link.topology
+    if top is None or top.num_hosts == 1:
+        return ring.broadcast(link, x, root)
+    host, leaders, lead = _host_and_leaders(link, root)
+    if leaders is not None and leaders.size > 1:
+        ring.broadcast(leaders, x, 0)
+    _broadcast_in(host, x, lead)
+
+
+def reduce(link, x, root, op):
+    """``x`` on ``root`` gets ``op`` over all ranks; ``x`` elsewhere is left unchanged."""
+    top = link.topology
+    if top is None or top.num_hosts == 1:
+        return ring.reduce(link, x, root, op)
+    host, leaders, lead = _host_and_leaders(link, root)
+    acc = _reduce_in(host, x, lead, _partial(op), keep=link.rank != root)
+    if leaders is not None:
+        if leaders.size > 1:
+            ring.reduce(leaders, acc, 0, _partial(op))
+        if link.rank == root:
+            finalize(op, x, link.size)
+
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
