@@ -1,7 +1,8 @@
 """Start a group of ringcomm workers on this host (torchrun-compatible).
 
-The parts: :mod:`.config` (the command line and each worker's environment) and
-:mod:`.workers` (starting, watching, blaming, stopping and restarting the workers).
+The parts: :mod:`.config` (the command line and each worker's environment),
+:mod:`.workers` (starting, watching, blaming, stopping and restarting the workers) and
+:mod:`.rounds` (how the launchers of several hosts agree on each restart).
 
 Usage::
 
@@ -21,7 +22,9 @@ Options (dash and underscore spellings are both accepted):
   --master-port PORT    default $MASTER_PORT; with one node a free TCP port is
                         picked (again for each restart); with several, 29500
   --max-restarts K      on a failure stop all workers and start them all again,
-                        at most K times (single node only), default 0
+                        at most K times, default 0; with several nodes every node's
+                        launcher does, in step (see .rounds; the workers then meet on
+                        MASTER_PORT + 1)
   --timeout SECONDS     collective deadline, exported as RINGCOMM_TIMEOUT
   --device KIND         auto | cpu | gpu, exported as RINGCOMM_DEVICE
   --no-prefix           let workers write straight to the launcher's terminal

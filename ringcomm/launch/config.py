@@ -147,9 +147,6 @@ def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
         parser.error(f"--node-rank must be in [0, {ns.nnodes - 1}]")
     if ns.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
-    if ns.nnodes > 1 and ns.max_restarts > 0:
-        parser.error("--max-restarts is not supported with --nnodes > 1 yet "
-                     "(restarts cannot be coordinated across hosts)")
     if ns.timeout is not None and not 0 < ns.timeout < math.inf:  # also NaN and inf
         parser.error(f"--timeout must be a finite number of seconds > 0, got {ns.timeout}")
 

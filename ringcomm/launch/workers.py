@@ -10,10 +10,12 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import itertools
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import rundir
+from . import rounds
 from .config import (
     PROG, LaunchConfig, _stdout_lock, _stderr_lock,
     _write, free_port, log, parse_args, worker_env)
@@ -30,6 +33,7 @@ GRACE_PERIOD_S = 3.0
 REPORT_WAIT_S = 1.5  # after a first failure, how long to wait for the others' reports
 POLL_INTERVAL_S = 0.05
 EXIT_FAILURE = 1
+STOPPED = -1  # WorkerGroup.run: stopped because another node decided the round
 
 
 def _describe(returncode: int) -> str:
@@ -131,9 +135,10 @@ class WorkerGroup:
                 thread.start()
                 worker.readers.append(thread)
 
-    def run(self, interrupted) -> int:
-        """Spawn and watch until all succeed (0), one fails (1) or a signal
-        arrives (128 + signum, as returned by ``interrupted()``)."""
+    def run(self, interrupted, stop_requested=lambda: False) -> int:
+        """Spawn and watch until all succeed (0), one fails (1), a signal arrives (128 +
+        signum, as returned by ``interrupted()``) or ``stop_requested()`` says the round was
+        decided on another node (``STOPPED``)."""
         for local_rank in range(self.cfg.nproc):
             if interrupted():
                 break
@@ -144,6 +149,9 @@ class WorkerGroup:
                 log(f"received {signal.Signals(signum).name}; stopping all workers")
                 self.stop()
                 return 128 + signum
+            if stop_requested():
+                self.stop()
+                return STOPPED
             codes = [(w, w.proc.poll()) for w in self.workers]
             failed = [(w, rc) for w, rc in codes if rc not in (None, 0)]
             if failed:
@@ -290,16 +298,12 @@ def run(cfg: LaunchConfig, interrupted=lambda: 0) -> int:
     if cfg.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         log("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the "
             "host; set it yourself to tune performance")
+    if cfg.nnodes > 1 and cfg.max_restarts > 0:
+        return _run_rounds(cfg, interrupted)
     for attempt in range(cfg.max_restarts + 1):
         if attempt and cfg.auto_port:
             cfg = dataclasses.replace(cfg, master_port=free_port(cfg.master_addr))
-        group = WorkerGroup(cfg, restart_count=attempt)
-        atexit.register(group.kill)
-        try:
-            code = group.run(interrupted)
-        finally:
-            group.kill()
-            atexit.unregister(group.kill)
+        code = _attempt(cfg, attempt, interrupted)
         if code != EXIT_FAILURE:
             return code
         if attempt < cfg.max_restarts:
@@ -307,6 +311,59 @@ def run(cfg: LaunchConfig, interrupted=lambda: 0) -> int:
     if cfg.max_restarts:
         log(f"giving up after {cfg.max_restarts} restart(s)")
     return EXIT_FAILURE
+
+
+def _attempt(cfg, attempt, interrupted, stop_requested=lambda: False):
+    group = WorkerGroup(cfg, restart_count=attempt)
+    atexit.register(group.kill)
+    try:
+        return group.run(interrupted, stop_requested)
+    finally:
+        group.kill()
+        atexit.unregister(group.kill)
+
+
+def _run_rounds(cfg, interrupted):
+    """Several nodes with restarts: every round agreed with the other nodes' launchers
+    (see :mod:`.rounds`); the workers meet on MASTER_PORT + 1."""
+    join_timeout = cfg.timeout or float(os.environ.get("RINGCOMM_TIMEOUT") or 300)
+    coordinator = None
+    if cfg.node_rank == 0:
+        coordinator = rounds.Coordinator(
+            nnodes=cfg.nnodes, max_restarts=cfg.max_restarts, addr=socket.gethostbyname(cfg.master_addr),
+            port=cfg.master_port, secret=cfg.secret, job=rounds.job_name(cfg.job_id),
+            worker_port=cfg.master_port + 1, join_timeout=join_timeout, log=log)
+    agent = rounds.Agent(node=cfg.node_rank, addr=cfg.master_addr, port=cfg.master_port, secret=cfg.secret,
+                         join_timeout=join_timeout)
+    try:
+        for rnd in itertools.count():
+            go = agent.join(rnd)
+            if "verdict" in go:
+                log(f"round {rnd} did not start: {go['why']}")
+                return EXIT_FAILURE
+            round_cfg = dataclasses.replace(cfg, master_port=go["port"], job_id=go["job"])
+            code = _attempt(round_cfg, rnd, interrupted, lambda: agent.stop_requested(rnd))
+            if code == 0:
+                agent.report("done", rnd)
+            elif code == EXIT_FAILURE:
+                agent.report("failed", rnd)
+            elif code != STOPPED:  # interrupted here: the job ends on every node
+                agent.report("quit", rnd)
+                return code
+            verdict, why = agent.verdict(rnd)
+            if verdict == rounds.FINISHED:
+                return 0
+            if verdict != rounds.RESTART:
+                log(f"{why}: giving up" + (f" after {rnd} restart(s)" if rnd else ""))
+                return EXIT_FAILURE
+            log(f"{why}: restarting the workers of every node (restart {rnd + 1} of {cfg.max_restarts})")
+    except rounds.RoundsError as exc:
+        log(str(exc))
+        return EXIT_FAILURE
+    finally:
+        agent.close()
+        if coordinator is not None:
+            coordinator.close()
 
 
 def main(argv: list[str] | None = None) -> int:

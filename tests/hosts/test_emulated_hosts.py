@@ -4,35 +4,14 @@ collectives, their traffic across hosts and ``auto``'s choice. Needs root, ``ip`
 ``tc``; skipped, saying why, elsewhere."""
 import os
 import secrets
-import subprocess
-import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
-sys.path.insert(0, os.path.abspath(BENCH))
-import netns  # noqa: E402  (bench/netns.py: the emulated cluster)
+import netns  # bench/netns.py, put on the path by conftest.py
 
 pytestmark = pytest.mark.timeout(180)
 WORKER = os.path.join(os.path.dirname(__file__), "hosts_worker.py")
 PORT = 29777
-
-
-@pytest.fixture
-def cluster(request):
-    why = netns.preflight()
-    if why:
-        pytest.skip(f"no emulated cluster here: {why}")
-    hosts, per_host = request.param
-    made = netns.Cluster(hosts, per_host)
-    try:
-        made.build()
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        made.close()
-        pytest.skip(f"no emulated cluster here: {exc}")
-    yield made
-    netns.kill_started()
-    made.close()
 
 
 @pytest.mark.parametrize("cluster", [(2, 2), (3, 2)], indirect=True, ids=["2x2", "3x2"])

@@ -274,14 +274,6 @@ def test_restarts_exhausted(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_multinode_restarts_rejected(tmp_path):
-    script = write_script(tmp_path, "print('never')\n")
-    res = run_launcher("--nnodes", 2, "--max-restarts", 1, script)
-    assert res.returncode != 0 and "never" not in res.stdout
-    assert "not supported" in res.stderr
-
-
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_to_launcher_stops_workers(tmp_path, signum, code):
     script = write_script(tmp_path, SLEEP_OR_FAIL)
