@@ -26,6 +26,9 @@ boundary; hier: 2(H−1)S/(HL) from every rank; ps: (N−L)S from rank 0), and w
 busiest link carried per call by the kernel's own count (payload, headers and the job's
 start-up; each algorithm runs as a job of its own).
 
+Connections between hosts are encrypted (CURVE), as ringcomm does by default across hosts;
+``--encryption off`` measures without, ``both`` each way (its cost).
+
 ``--training``: on each cluster also a DDP and a ZeRO-2 step (``python -m ringcomm.train``,
 the model of bench/cluster_training.py; the trainer runs ``hier`` where hosts hold several
 ranks), rank 0's median step time. Writes ``cluster.json`` to ``--out``; bench/plots.py
@@ -52,6 +55,7 @@ from ringcomm.units import human, parse_size
 PORT = 29611
 PAYLOAD_SHARE = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps on)
 ALGORITHMS = ("ring", "hier", "ps")
+ENCRYPTION = {"on": (True,), "off": (False,), "both": (True, False)}
 MODEL = ["--layers", "256,1024,1024,1024,1024,10", "--batch-size", "256", "--samples", "2048",
          "--bucket-mb", "1"]
 
@@ -96,12 +100,13 @@ def tcp_source(where, nbytes):
     raise SystemExit(f"could not connect to {where}")
 
 
-def run_all_reduces(cluster, args, algo, result_path):
-    """Rank 0's JSON results of the all-reduce worker running ``algo`` on ``cluster``."""
+def run_all_reduces(cluster, args, algo, encrypt, result_path):
+    """Rank 0's JSON results of the all-reduce worker running ``algo`` on ``cluster``, its
+    connections encrypted or not."""
     argv = [os.path.abspath(__file__), "--worker", "--size", str(args.size), "--iters", str(args.iters),
             "--warmup", str(args.warmup), "--result", result_path, "--algorithms", algo]
-    results = netns.finish(netns.launch(cluster, argv, PORT, secrets.token_hex(16),
-                                        RINGCOMM_TIMEOUT=str(args.timeout)), args.timeout + 30)
+    results = netns.finish(netns.launch(cluster, argv, PORT, secrets.token_hex(16), RINGCOMM_TIMEOUT=str(args.timeout),
+                                        RINGCOMM_ENCRYPT="1" if encrypt else "0"), args.timeout + 30)
     failed = [(h, rc, out) for h, (out, rc) in enumerate(results) if rc]
     if failed:
         said = "\n".join(f"--- host {h} (exit {rc}):\n{out[-1500:]}" for h, rc, out in failed)
@@ -190,23 +195,24 @@ def measure(args, H, L, tmp, rows, training):
     try:
         cluster.build()
         bandwidth = calibrate(cluster)
-        ring_time = None
-        for algo in args.algorithms.split(","):
+        ring_time = {}
+        for encrypt, algo in [(e, a) for e in ENCRYPTION[args.encryption] for a in args.algorithms.split(",")]:
             before = cluster.link_bytes()
-            res = run_all_reduces(cluster, args, algo, os.path.join(tmp, f"h{H}l{L}{algo}.json"))
+            res = run_all_reduces(cluster, args, algo, encrypt, os.path.join(tmp, f"h{H}l{L}{algo}{encrypt}.json"))
             calls = args.iters + args.warmup
             link_sent = max(a[0] - b[0] for a, b in zip(cluster.link_bytes(), before)) / calls
             S, cell = res["size_bytes"], res[algo]
             pred, sent_formula = predicted(algo, H, L, S, bandwidth)
             pred += res.get("host_all_reduce_us", 0.0) / 1e6
-            ring_time = cell["time_us"] if algo == "ring" else ring_time
-            row = dict(cell, hosts=H, ranks_per_host=L, world_size=H * L, algorithm=algo, size_bytes=S,
+            ring_time[encrypt] = cell["time_us"] if algo == "ring" else ring_time.get(encrypt)
+            row = dict(cell, hosts=H, ranks_per_host=L, world_size=H * L, algorithm=algo, size_bytes=S, encrypted=encrypt,
                        predicted_us=pred * 1e6, host_all_reduce_us=res.get("host_all_reduce_us"),
                        inter_host_formula=sent_formula, busiest_link_bytes_per_call=link_sent,
                        rate=args.rate, delay=args.delay, link_bytes_per_s=bandwidth)
             rows.append(row)
-            vs_ring = f"{ring_time / cell['time_us']:>8.2f}" if ring_time and algo != "ring" else f"{'':>8}"
-            print(f" {H:>2} {L:>2} {H * L:>3} {algo:>5} {cell['time_us'] / 1e3:>10.1f} {pred * 1e3:>10.1f} "
+            ring = ring_time.get(encrypt)
+            vs_ring = f"{ring / cell['time_us']:>8.2f}" if ring and algo != "ring" else f"{'':>8}"
+            print(f" {H:>2} {L:>2} {H * L:>3} {algo:>5} {'on' if encrypt else 'off':>4} {cell['time_us'] / 1e3:>10.1f} {pred * 1e3:>10.1f} "
                   f"{cell['time_us'] / 1e6 / pred:>9.2f} {vs_ring} {cell['max_inter_host_sent'] / 2**20:>10.2f} "
                   f"{sent_formula / 2**20:>10.2f} {link_sent / 2**20:>10.2f} {cell['wrong']:>6}", flush=True)
         print(f"#      one TCP stream over these links: {bandwidth / 1e6:.1f} MB/s", flush=True)
@@ -230,6 +236,8 @@ def main(argv=None):
     p.add_argument("--rate", default="1gbit", help="tc rate of every rank's link, each way")
     p.add_argument("--delay", default=None, help="netem delay of every link, one way (e.g. 100us)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--encryption", choices=sorted(ENCRYPTION), default="on",
+                   help="CURVE between hosts: on (ringcomm's default there), off, or both to measure its cost")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--training", action="store_true", help="also a DDP and a ZeRO-2 step per cluster")
@@ -271,7 +279,7 @@ def main(argv=None):
           + (f", {args.delay} one-way delay" if args.delay else "")
           + f"; all_reduce float32 sum of S = {human(args.size)}; time = median of {args.iters} calls, "
           f"slowest rank; predicted with B = one TCP stream over the same links")
-    print(f"#{'H':>2} {'L':>2} {'N':>3} {'algo':>5} {'time(ms)':>10} {'predicted':>10} {'meas/pred':>9} "
+    print(f"#{'H':>2} {'L':>2} {'N':>3} {'algo':>5} {'enc':>4} {'time(ms)':>10} {'predicted':>10} {'meas/pred':>9} "
           f"{'ring/this':>8} {'xhost MiB':>10} {'formula':>10} {'link MiB':>10} {'#wrong':>6}")
     try:
         for H, L in grid:

@@ -10,8 +10,8 @@ Reads every ``*.json`` in ``--out`` and writes, next to them (matplotlib, Agg ba
 - ``ring_vs_ps_time_vs_n.png``: all-reduce time vs world size at ``--fixed-size``, ring vs
   PS, from every collectives file that measured that size (one file per N);
 - ``peers.png``: all-reduce time and busbw vs size per library, one column per N;
-- ``cluster_time_vs_n.png``: emulated-cluster all-reduce time vs N, measured (points) and
-  predicted (lines: ring 2(N-1)S/(NB), PS 2(N-1)S/B).
+- ``cluster_time_vs_n.png``: emulated-cluster all-reduce time vs N, one panel per number of
+  ranks per host, measured (points) and predicted (lines; see bench/cluster.py).
 
 A plot whose data is missing is skipped with a note; the script never invents points.
 """
@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 
 from ringcomm.units import human, parse_size  # noqa: E402
 
-STYLE = {"ring": ("tab:blue", "o"), "ps": ("tab:red", "s"), "auto": ("tab:green", "^"),
+STYLE = {"ring": ("tab:blue", "o"), "ps": ("tab:red", "s"), "auto": ("tab:green", "^"), "hier": ("tab:brown", "P"),
          "rd": ("tab:purple", "v"), "ringcomm/ring": ("tab:blue", "o"),
          "ringcomm/auto": ("tab:green", "^"), "gloo": ("tab:orange", "s"), "openmpi": ("tab:gray", "D"),
          "floor": ("black", "x")}
@@ -140,21 +140,28 @@ def label(row):
 
 
 def plot_cluster(data, out):
-    rows = data["rows"]
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for algo in ("ring", "ps"):
-        pts = sorted((r["world_size"], r["time_us"] / 1e3, r["predicted_us"] / 1e3) for r in rows
-                     if r["algorithm"] == algo)
-        color, marker = STYLE[algo]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=color, label=f"{algo} measured")
-        ax.plot([p[0] for p in pts], [p[2] for p in pts], "-", color=color, alpha=0.6,
-                label=f"{algo} predicted")
-    ax.set_xlabel("world size N (one network namespace per rank)")
-    ax.set_ylabel("all_reduce time (ms)")
-    ax.set_title(f"all_reduce {human(rows[0]['size_bytes'])}, {data['rate']} per rank link (tc)")
-    ax.set_xticks(sorted({r["world_size"] for r in rows}))
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    """One panel per ranks-per-host L: time vs N for each algorithm, measured and predicted
+    (rows measured with encryption, the default across hosts, where both were)."""
+    rows = [r for r in data["rows"] if r.get("encrypted", True)] or data["rows"]
+    per_host = sorted({r.get("ranks_per_host", 1) for r in rows})
+    fig, axes = plt.subplots(1, len(per_host), figsize=(5.5 * len(per_host), 3.8), squeeze=False)
+    for ax, L in zip(axes[0], per_host):
+        for algo in ("ring", "hier", "ps"):
+            pts = sorted((r["world_size"], r["time_us"] / 1e3, r["predicted_us"] / 1e3) for r in rows
+                         if r["algorithm"] == algo and r.get("ranks_per_host", 1) == L)
+            if not pts:
+                continue
+            color, marker = STYLE[algo]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=color, label=f"{algo} measured")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "-", color=color, alpha=0.6,
+                    label=f"{algo} predicted")
+        ax.set_xlabel(f"world size N ({L} rank(s) per host, a link per rank)")
+        ax.set_ylabel("all_reduce time (ms)")
+        ax.set_yscale("log")
+        ax.set_title(f"all_reduce {human(rows[0]['size_bytes'])}, {data['rate']} per rank link (tc)")
+        ax.set_xticks(sorted({r["world_size"] for r in rows if r.get("ranks_per_host", 1) == L}))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     save(fig, os.path.join(out, "cluster_time_vs_n.png"))
 
 

@@ -10,8 +10,10 @@ a schedule by name (:func:`ringcomm.algorithms.schedule`), and hands one
 Algorithms (``algorithm=``): ``"ring"`` (ring reduce-scatter + all-gather; a pipelined chain
 for broadcast and reduce; all-to-all in ring order), ``"ps"`` (parameter server: everything
 through one rank; gather and scatter straight to or from their root),
-``"rd"`` (recursive doubling: all-reduce and barrier), ``"auto"`` (few-hop schedules for
-small messages, the ring otherwise; see :func:`ringcomm.algorithms.choice.auto_algorithm`).
+``"rd"`` (recursive doubling: all-reduce and barrier), ``"hier"`` (ranks on several hosts:
+inside each host first, then across hosts; see :mod:`ringcomm.algorithms.hier`), ``"auto"``
+(few-hop schedules for small messages, the ring or ``hier`` otherwise; see
+:func:`ringcomm.algorithms.choice.auto_algorithm`).
 
 Every rank signs each collective (collective, dtype, count, op, root, algorithm); a rank
 that sees another signature raises :class:`CollectiveMismatch` naming both sides and tells

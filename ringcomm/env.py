@@ -14,7 +14,8 @@ Read from the environment that a launcher leaves, in this order:
 every rank shares this host's shared-memory lanes, else 1 MiB), ``RINGCOMM_SECRET`` (the job
 secret; see :mod:`ringcomm.secret` for where it comes from otherwise), ``RINGCOMM_JOB_ID``
 (names the launch; see :func:`job_id`), ``RINGCOMM_TRANSPORT=tcp`` (TCP even between
-ranks of one host), ``RINGCOMM_ENCRYPT=1`` (CURVE encryption of every peer connection; see
+ranks of one host), ``RINGCOMM_ENCRYPT`` (``1``: CURVE encryption of every peer connection,
+``0``: none; unset: encrypted when the job spans several hosts; see
 :mod:`ringcomm.transport.security`), ``RINGCOMM_SHM=0`` (no shared-memory lanes: every byte
 through ZeroMQ), ``RINGCOMM_SHM_SLOTS`` (slots per lane, default 4; see
 :mod:`ringcomm.transport.shm`), ``RINGCOMM_CHANNEL_MAX_BYTES`` (messages to a rank of this
@@ -62,7 +63,7 @@ class JobInfo:
     secret_file: str = ""  # made by this rank to share the secret; removed once all joined
     job: str = ""          # names this launch at the rendezvous (see job_id)
     force_tcp: bool = False
-    encrypt: bool = False
+    encrypt: bool | None = None  # None: encrypt when the job spans several hosts (see encrypts)
     shared_memory: bool = True  # same-host segments through /dev/shm lanes
     shm_slots: int = 4          # slots per lane (each one segment)
     channel_max_bytes: int = DEFAULT_CHANNEL_MAX_BYTES  # smaller messages: channel, not lane
@@ -154,8 +155,26 @@ def from_environ(environ=None):
     info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES", default_segment_bytes(info))
     info.secret = environ.get("RINGCOMM_SECRET", "")  # else ringcomm.secret.resolve at init
     info.job = job_id(environ)
-    info.encrypt = environ.get("RINGCOMM_ENCRYPT", "").lower() in ("1", "true", "yes", "on")
+    info.encrypt = _switch(environ, "RINGCOMM_ENCRYPT")
     return info
+
+
+def _switch(environ, name):
+    """A yes/no setting: True, False, or None when it is not set."""
+    value = environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={environ[name]!r}: expected 1 or 0")
+
+
+def encrypts(info):
+    """Whether this job's peer connections are encrypted: as ``info.encrypt`` says, else
+    when its ranks span several hosts (their TCP connections cross a network)."""
+    return info.encrypt if info.encrypt is not None else info.local_world_size < info.world_size
 
 
 def validate(info):

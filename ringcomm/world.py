@@ -22,8 +22,8 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; or those of ``mpirun`` or
     ``srun``, see :mod:`ringcomm.env`); keyword arguments override it. ``timeout`` (seconds,
     default ``RINGCOMM_TIMEOUT`` or 300) bounds every wait. ``encrypt`` (default
-    ``RINGCOMM_ENCRYPT``) turns on CURVE encryption of every peer connection; either way a
-    peer must prove the job secret (``RINGCOMM_SECRET``; :mod:`ringcomm.secret` says where it
+    ``RINGCOMM_ENCRYPT``, else on exactly when the ranks span several hosts) turns CURVE
+    encryption of every peer connection on or off; either way a peer must prove the job secret (``RINGCOMM_SECRET``; :mod:`ringcomm.secret` says where it
     comes from when that is not set). ``device``: ``"auto"`` (default,
     or ``RINGCOMM_DEVICE``: GPU ``LOCAL_RANK % device_count`` if CuPy sees one, else the
     CPU), ``"cpu"``, ``"gpu"``, ``"emulated"`` (CPU arrays through the GPU staging path, for
@@ -43,6 +43,7 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     if segment_bytes is None and not os.environ.get("RINGCOMM_SEGMENT_BYTES"):
         info.segment_bytes = env.default_segment_bytes(info)  # for the overridden layout
     env.validate(info)
+    info.encrypt = env.encrypts(info)
     if os.environ.get("RINGCOMM_ERROR_FILE"):
         _report_to_launcher(os.environ["RINGCOMM_ERROR_FILE"])
     forget = None  # a published rendezvous port, to delete once every rank has joined

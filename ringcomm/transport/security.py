@@ -4,18 +4,20 @@ Each rank runs a ZAP authenticator (ZeroMQ's authentication protocol) for its in
 socket; a connection that does not prove the secret is refused during the ZeroMQ handshake,
 before a single frame of it reaches the rank.
 
-- default: ZeroMQ's **PLAIN** mechanism carrying a **one-time proof** instead of a
-  password. Rank r connecting to the socket published as ``id`` sends user ``r`` and
+- ranks that all share one host (``RINGCOMM_ENCRYPT`` unset, or ``0`` anywhere): ZeroMQ's
+  **PLAIN** mechanism carrying a **one-time proof** instead of a password. Rank r connecting to the socket published as ``id`` sends user ``r`` and
   ``nonce:HMAC-SHA256(secret, "ringcomm-peer|id|r|nonce")`` with a fresh random nonce. The
   receiving rank checks the HMAC against its own ``id`` and refuses a nonce it has already
   accepted, so a sniffed handshake replayed later, or sent to another socket, is refused,
   and the secret itself never crosses the wire. Traffic is not encrypted. For the same
   reason a connection is made once: sockets do not reconnect, and a dropped connection is a
   lost peer (:class:`~ringcomm.errors.PeerLost`), as in NCCL.
-- ``encrypt=True`` (``RINGCOMM_ENCRYPT=1``): **CURVE**. Every rank derives the same
-  Curve25519 key pair from the secret; a peer must complete the CURVE handshake with that
-  key (which proves it knows the secret) and all traffic is encrypted. Costs CPU per byte:
-  meant for multi-host jobs over untrusted networks.
+- ranks on several hosts (``RINGCOMM_ENCRYPT`` unset), or ``RINGCOMM_ENCRYPT=1``:
+  **CURVE**. Every rank derives the same Curve25519 key pair from the secret; a peer must
+  complete the CURVE handshake with that key (which proves it knows the secret) and all
+  traffic through ZeroMQ is encrypted, so neither the payload nor the secret crosses a
+  network in clear. Costs CPU per byte; what ranks of one host move through their
+  shared-memory lanes and channels never touches ZeroMQ and pays nothing.
 
 The rendezvous proves the secret separately (a challenge and response, see
 :mod:`.rendezvous`).

@@ -277,3 +277,17 @@ def test_validate_small_segments(segment_bytes):
     with pytest.raises(ValueError, match="segment"):
         env.validate(job(segment_bytes=segment_bytes))
     env.validate(job(segment_bytes=1024))
+
+
+@pytest.mark.parametrize("setting, local, expected", [
+    (None, 4, False), (None, 2, True),          # unset: encrypted exactly when hosts are several
+    ("1", 4, True), ("yes", 4, True), ("0", 2, False), ("off", 2, False)])
+def test_encryption_defaults_to_on_across_hosts(setting, local, expected):
+    environ = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(local),
+               "MASTER_PORT": "1234", **({"RINGCOMM_ENCRYPT": setting} if setting else {})}
+    assert env.encrypts(env.from_environ(environ)) is expected
+
+
+def test_a_garbled_encryption_setting_is_refused():
+    with pytest.raises(ValueError, match="RINGCOMM_ENCRYPT='maybe': expected 1 or 0"):
+        env.from_environ({"RINGCOMM_ENCRYPT": "maybe"})
