@@ -9,7 +9,8 @@ computing, overlap has nothing to hide behind (bench/training.py shows this). He
 runs in its own network namespace with a rate-limited link (bench/netns.py builds it), so
 a bucket's all-reduce is mostly waiting for the wire, and DDP can run it while backward
 computes the next layers. Each repeat runs the two variants back to back (alternating, so
-noise hits both); the step time is rank 0's median step. Writes ``cluster_training.json``.
+noise hits both); the step time is rank 0's median step. Connections between the namespaces
+are encrypted (CURVE), as ringcomm does by default across hosts. Writes ``cluster_training.json``.
 """
 import argparse
 import json

@@ -63,6 +63,9 @@ class Cluster:
         return f"{SUBNET}.{FIRST_HOST + rank}"
 
     def build(self):
+        for name in stale_namespaces():  # left by a killed run whose process id was this one
+            if name.startswith(self.tag):
+                sh("ip", "netns", "delete", name, check=False)
         self._netns(self.bridge)
         sh("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.bridge, "link", "set", "br0", "up")

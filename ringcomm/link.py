@@ -90,8 +90,10 @@ class Link:
             return None
         nbytes = memoryview(payload).nbytes
         if nbytes != count * self.dtype.itemsize:
+            where = f"step {step}" if step < 1 << SubLink.PHASE_BITS else \
+                f"phase {step >> SubLink.PHASE_BITS} step {step & ((1 << SubLink.PHASE_BITS) - 1)}"
             raise CollectiveMismatch(
-                f"{self.what}: rank {self.ranks[peer]} sent {nbytes} bytes for step {step} "
+                f"{self.what}: rank {self.ranks[peer]} sent {nbytes} bytes for {where} "
                 f"segment {segment}; rank {self.ranks[self.rank]} expects "
                 f"{count} x {self.dtype.name} = {count * self.dtype.itemsize} bytes")
         stats = self.stats

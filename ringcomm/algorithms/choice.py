@@ -50,10 +50,11 @@ def auto_algorithm(collective, n, nbytes, local=False, topology=None):
 
 def bandwidth_algorithm(topology):
     """The schedule for large buffers whose traffic a training step's byte counts predict:
-    ``hier`` where ``topology`` is layered, else ``ring``. Both send 2(N−1)/N·S per rank in
-    an all-reduce ((N−1)/N·S in a reduce-scatter or all-gather); ``hier`` sends L times less
-    of it across hosts."""
-    return "hier" if topology.layered else "ring"
+    ``hier`` where ``topology`` is layered with L ranks on every host, else ``ring``. Both
+    send 2(N−1)/N·S per rank in an all-reduce ((N−1)/N·S in a reduce-scatter or
+    all-gather); ``hier`` sends L times less of it across hosts (its reduce-scatter and
+    all-gather hold one scratch copy of the full buffer while they run)."""
+    return "hier" if topology.layered and topology.per_host else "ring"
 
 
 def hier_all_reduce_bytes(hosts, per_host, nbytes):

@@ -19,6 +19,7 @@ about L times more on that link. Intra-host bytes per rank: 2(L−1)/L · S.
 host of a copy of ``x`` ordered by rail (local rank i keeps the H chunks of rail i), then
 reduce-scatter along the rail; inter-host bytes per rank (H−1)·m. **All-gather** is the
 mirror: along the rail first, then inside the host, then the chunks back into rank order.
+Both hold a scratch buffer of N·m elements while they run (the flat ring needs none).
 
 **Broadcast** and **reduce**: one chain across hosts through one rank per host (the root on
 its own host, the lowest group rank elsewhere: the host's *leader*), and inside each host a
@@ -27,8 +28,10 @@ pipelined chain above. Each host's network link carries S once.
 
 Hosts holding different numbers of ranks: all-reduce reduces into each host's leader, runs
 the ring among the leaders and broadcasts inside each host (the leader's link carries
-2(H−1)/H · S); reduce-scatter and all-gather run the flat ring. A group on one host, or with
-one rank per host, runs the flat ring throughout.
+2(H−1)/H · S); reduce-scatter and all-gather run the flat ring. A group on one host runs
+the flat ring throughout; with one rank per host, all-reduce, reduce-scatter and
+all-gather run the flat ring, and broadcast and reduce the chain through the leaders, which
+is the ring's chain from the root.
 
 The partial sums of phases 1 and 2 are reduced with ``op`` but not finished: ``avg`` divides
 once, by N, where a chunk is finished, so every rank copies the same bits.

@@ -12,21 +12,28 @@ Round k:
 1. every agent says JOIN k; once all ``nnodes`` have, the coordinator answers each with GO
    (the round, the job's name, the workers' port);
 2. a launcher whose workers failed says FAILED k, one whose workers all exited 0 says DONE
-   k, one that was interrupted (SIGINT, SIGTERM) says QUIT k;
-3. the first FAILED or QUIT decides the round: every agent gets STOP k with the verdict
+   k, one that was interrupted (SIGINT, SIGTERM) or could not go on says QUIT k;
+3. the first FAILED or QUIT decides the round: every agent gets the VERDICT of round k,
    RESTART (while k < K, and not after a QUIT) or GIVE_UP, and its launcher stops its
-   workers; DONE from every node gets FINISHED;
-4. after RESTART every launcher joins round k+1 once its workers are stopped.
+   workers; DONE from every node decides FINISHED;
+4. after RESTART every launcher joins round k+1 once its workers are stopped (a QUIT that
+   comes after a RESTART gives round k+1 the verdict GIVE_UP).
 
-The coordinator sends a heartbeat every second; an agent that hears nothing for
-``LOST_AFTER_S`` while it waits gives up, saying the coordinator is lost. Nodes that do not
-join a round within ``join_timeout`` seconds end the job (GIVE_UP). Every message is
-``MAGIC``, an HMAC-SHA256 of the JSON that follows under the job secret, and the JSON: a
-message without the right HMAC is dropped, so a stranger can neither stop nor restart the
-job. No pickle.
+Both sides send a heartbeat every second. An agent that has heard the coordinator and then
+hears nothing for ``LOST_AFTER_S`` gives up, saying the coordinator is lost; the coordinator
+gives the round up when a node it knows stops beating as long (its launcher died), and when
+nodes do not join a round within ``join_timeout`` seconds.
 
->>> agent = Agent(cfg); go = agent.join(0)         # blocks until every node joined round 0
->>> agent.failed(0); agent.verdict(0)              # 'restart' or 'give_up'
+Messages: ``MAGIC``, an HMAC-SHA256 under the job secret of the JSON that follows, and the
+JSON. An agent opens with HELLO (its own fresh nonce); the coordinator answers with a fresh
+nonce for that connection. From then on every message carries the receiver's nonce and a
+counter that only grows, so a message recorded from another connection, another job with
+the same secret, or earlier in this one is refused; a stranger without the secret can
+neither join, stop nor restart the job. Frames over 64 KiB are refused by ZeroMQ. No pickle.
+
+>>> agent = Agent(node=1, addr="10.0.0.1", port=29500, secret=s, join_timeout=300)
+>>> agent.join(0)                 # {'round': 0, 'job': ..., 'port': 29501} once all joined
+>>> agent.report("failed", 0); agent.verdict(0)    # ('restart', "node 1's workers failed")
 """
 from __future__ import annotations
 
@@ -39,9 +46,11 @@ import time
 
 import zmq
 
-MAGIC = b"RCL1"
+MAGIC = b"RCL2"
 HEARTBEAT_S = 1.0
 LOST_AFTER_S = 15.0
+MAX_FRAME_BYTES = 64 << 10
+MAX_CONNECTIONS = 4096  # hellos remembered (replayed ones cost nothing more beyond this)
 RESTART, GIVE_UP, FINISHED = "restart", "give_up", "finished"
 
 
@@ -65,7 +74,20 @@ def _open(secret: str, frame: bytes):
         doc = json.loads(body)
     except ValueError:
         return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("round"), int) else None
+    ok = isinstance(doc, dict) and isinstance(doc.get("round"), int) and isinstance(doc.get("n"), int)
+    return doc if ok else None
+
+
+class _Complaints:
+    """Logs the first refused message of each kind, then one in a hundred of that kind."""
+
+    def __init__(self, log):
+        self.log, self.counts = log, {}
+
+    def __call__(self, what):
+        count = self.counts[what] = self.counts.get(what, 0) + 1
+        if count == 1 or count % 100 == 0:
+            self.log(f"rounds: refused {what} ({count} so far)")
 
 
 class Coordinator:
@@ -74,13 +96,22 @@ class Coordinator:
     def __init__(self, *, nnodes, max_restarts, addr, port, secret, job, worker_port, join_timeout, log):
         self.nnodes, self.max_restarts, self.secret = nnodes, max_restarts, secret
         self.job, self.worker_port, self.join_timeout, self.log = job, worker_port, join_timeout, log
+        self._refused = _Complaints(log)
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 2000)  # the last verdicts still leave after close
-        self._sock.bind(f"tcp://{addr}:{port}")
-        self._round, self._joined, self._done, self._verdicts = 0, {}, set(), {}
+        try:
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.LINGER, 2000)  # the last verdicts still leave after close
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self._sock.bind(f"tcp://{addr}:{port}")
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(0)
+            raise RoundsError(f"cannot listen for the other nodes' launchers on {addr}:{port}: {exc}") from None
+        self._round, self._joined, self._done, self._verdicts = 0, set(), set(), {}
         self._round_opened = time.monotonic()
-        self._peers = {}  # node -> the agent's ZeroMQ identity
+        self._conns = {}   # ZeroMQ identity -> {"ours", "theirs", "n", "node"}: one agent's connection
+        self._peers = {}   # node -> identity of its agent's connection
+        self._heard = {}   # node -> when it was last heard
+        self._sent = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ringcomm-launch-rounds", daemon=True)
         self._thread.start()
@@ -91,10 +122,15 @@ class Coordinator:
         self._sock.close()
         self._ctx.term()
 
+    def _send_to(self, ident, doc):
+        conn = self._conns[ident]
+        self._sent += 1
+        body = dict(doc, to=conn["theirs"], n=self._sent)
+        self._sock.send_multipart([ident, _seal(self.secret, body)])
+
     def _send(self, node, doc):
-        ident = self._peers.get(node)
-        if ident is not None:
-            self._sock.send_multipart([ident, _seal(self.secret, doc)])
+        if node in self._peers:
+            self._send_to(self._peers[node], doc)
 
     def _broadcast(self, doc):
         for node in list(self._peers):
@@ -102,46 +138,86 @@ class Coordinator:
 
     def _serve(self):
         beat = time.monotonic()
-        while not self._stop.is_set():
-            if self._sock.poll(100):
-                ident, frame = (self._sock.recv_multipart() + [b""])[:2]
-                doc = _open(self.secret, frame)
-                node = doc.get("node") if doc else None
-                if doc is None or not isinstance(node, int) or not 0 <= node < self.nnodes:
-                    self.log("rounds: dropped a message that is not signed with the job secret")
-                    continue
-                self._peers[node] = ident
-                self._handle(node, doc)
+        while True:
+            stopping = self._stop.is_set()
+            if self._sock.poll(0 if stopping else 100):
+                self._receive()
+            elif stopping:
+                return  # nothing more arrived: what was sent before close is handled
             now = time.monotonic()
             if now - beat >= HEARTBEAT_S:
                 beat = now
                 self._broadcast({"kind": "beat", "round": self._round})
-            if (self._round not in self._verdicts and len(self._joined) < self.nnodes
-                    and now - self._round_opened > self.join_timeout):
-                missing = sorted(set(range(self.nnodes)) - set(self._joined))
+            if self._round in self._verdicts:
+                continue
+            if len(self._joined) < self.nnodes and now - self._round_opened > self.join_timeout:
+                missing = sorted(set(range(self.nnodes)) - self._joined)
                 self._decide(GIVE_UP, f"node(s) {missing} did not join round {self._round} "
                                       f"within {self.join_timeout:g} s")
+            silent = sorted(node for node, t in self._heard.items() if now - t > LOST_AFTER_S)
+            if silent:
+                self._decide(GIVE_UP, f"the launcher of node(s) {silent} stopped answering "
+                                      f"for {LOST_AFTER_S:g} s")
+
+    def _receive(self):
+        parts = self._sock.recv_multipart()
+        if len(parts) != 2:
+            return self._refused("a malformed frame")
+        ident, frame = parts
+        doc = _open(self.secret, frame)
+        if doc is None:
+            return self._refused("a message not signed with the job secret")
+        node = doc.get("node")
+        if not isinstance(node, int) or not 0 <= node < self.nnodes:
+            return self._refused(f"a message from node {node!r}: --nnodes is {self.nnodes} here")
+        if doc.get("kind") == "hello":
+            if not isinstance(doc.get("nonce"), str) or ident in self._conns:
+                return self._refused("a second hello on one connection")
+            if len(self._conns) >= MAX_CONNECTIONS:
+                return self._refused("a hello beyond the connections this coordinator keeps")
+            self._conns[ident] = {"ours": secrets.token_hex(16), "theirs": doc["nonce"], "n": doc["n"],
+                                  "node": node}
+            return self._send_to(ident, {"kind": "challenge", "round": self._round, "nonce": self._conns[ident]["ours"]})
+        conn = self._conns.get(ident)
+        if conn is None or doc.get("to") != conn["ours"] or doc["n"] <= conn["n"] or conn["node"] != node:
+            return self._refused("a message that is not fresh for its connection (replayed, or "
+                                 "from another connection or job)")
+        conn["n"] = doc["n"]
+        if self._peers.get(node, ident) != ident:
+            return self._refused(f"a second launcher claiming node {node}")
+        self._peers[node] = ident
+        self._heard[node] = time.monotonic()
+        self._handle(node, doc)
 
     def _handle(self, node, doc):
         kind, rnd = doc.get("kind"), doc["round"]
+        if kind == "beat":
+            return
         if kind == "join" and rnd == self._round + 1 and self._verdicts.get(self._round, (None,))[0] == RESTART:
-            self._round, self._joined, self._done = rnd, {}, set()
+            self._round, self._joined, self._done = rnd, set(), set()
             self._round_opened = time.monotonic()
+        if kind == "quit" and self._verdicts.get(rnd, (None,))[0] == RESTART and rnd in (self._round, self._round - 1):
+            # the round was to restart, but this node will not come: the next one cannot start
+            if rnd == self._round:
+                self._round, self._joined, self._done = rnd + 1, set(), set()
+            if self._round not in self._verdicts:
+                self._decide(GIVE_UP, f"node {node}'s launcher quit before round {rnd + 1}")
+            return
         if rnd != self._round:
             return  # a message of an earlier round: that round is decided
+        if rnd in self._verdicts:  # anything after the verdict: say the verdict again
+            return self._send(node, self._verdict_doc(rnd))
         if kind == "join":
-            self._joined[node] = True
+            self._joined.add(node)
             if len(self._joined) == self.nnodes:
                 self._broadcast({"kind": "go", "round": rnd, "job": self.job, "port": self.worker_port})
-        elif rnd in self._verdicts:  # a report after the verdict: say the verdict again
-            self._send(node, self._verdict_doc(rnd))
         elif kind == "done":
             self._done.add(node)
             if len(self._done) == self.nnodes:
                 self._decide(FINISHED, "every node's workers succeeded")
         elif kind in ("failed", "quit"):
             restart = kind == "failed" and rnd < self.max_restarts
-            why = f"node {node}'s workers {'failed' if kind == 'failed' else 'were interrupted'}"
+            why = f"node {node}'s workers failed" if kind == "failed" else f"node {node}'s launcher quit"
             self._decide(RESTART if restart else GIVE_UP, why)
 
     def _decide(self, verdict, why):
@@ -159,24 +235,42 @@ class Agent:
     def __init__(self, *, node, addr, port, secret, join_timeout, lost_after=LOST_AFTER_S):
         self.node, self.secret, self.join_timeout = node, secret, join_timeout
         self.lost_after = lost_after
+        self._where = f"{addr}:{port}"
         self._ctx = zmq.Context()
+        self._nonce, self._theirs = secrets.token_hex(16), None  # ours; the coordinator's
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 1000)
-        self._where = f"{addr}:{port}"
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        # the same identity if the connection is remade (ZeroMQ refuses a second one with it)
+        self._sock.setsockopt(zmq.ROUTING_ID, self._nonce.encode())
         self._sock.connect(f"tcp://{self._where}")
-        self._heard = time.monotonic()
-        self._verdicts = {}  # round -> (verdict, why)
-        self._go = {}        # round -> GO message
+        self._pending = []      # what was said before the coordinator's challenge came
+        self._sent, self._got = 0, 0
+        self._heard = None      # when the coordinator was last heard (None: not yet)
+        self._beat = 0.0        # when this agent last sent anything
+        self._verdicts = {}     # round -> (verdict, why)
+        self._go = {}           # round -> GO message
+        self._say("hello", -1, nonce=self._nonce)
 
     def close(self):
         self._sock.close()
         self._ctx.term()
 
-    def _say(self, kind, rnd):
-        self._sock.send(_seal(self.secret, {"kind": kind, "round": rnd, "node": self.node}))
+    def _say(self, kind, rnd, **more):
+        self._sent += 1
+        doc = dict(more, kind=kind, round=rnd, node=self.node, n=self._sent)
+        if self._theirs is not None:
+            doc["to"] = self._theirs
+        elif kind != "hello":  # before the challenge: said once it has come
+            self._pending.append((kind, rnd))
+            return
+        self._beat = time.monotonic()
+        self._sock.send(_seal(self.secret, doc))
 
     def _take(self, timeout_ms):
-        """File whatever the coordinator said within ``timeout_ms``."""
+        """File whatever the coordinator said within ``timeout_ms``; beat when due."""
+        if self._theirs is not None and time.monotonic() - self._beat >= HEARTBEAT_S:
+            self._say("beat", -1)
         if not self._sock.poll(timeout_ms):
             return
         while True:
@@ -185,33 +279,55 @@ class Agent:
             except zmq.Again:
                 return
             doc = _open(self.secret, frame)
-            if doc is None:
-                continue
+            if doc is None or doc.get("to") != self._nonce or doc["n"] <= self._got:
+                continue  # not the coordinator of this connection, or replayed
+            self._got = doc["n"]
             self._heard = time.monotonic()
-            if doc.get("kind") == "go":
+            kind = doc.get("kind")
+            if kind == "challenge" and self._theirs is None and isinstance(doc.get("nonce"), str):
+                self._theirs = doc["nonce"]
+                pending, self._pending = list(self._pending), []
+                for said in pending:
+                    self._say(*said)
+            elif kind == "go":
                 self._go[doc["round"]] = doc
-            elif doc.get("kind") == "verdict":
+            elif kind == "verdict":
                 self._verdicts[doc["round"]] = (doc.get("verdict"), doc.get("why", ""))
 
-    def join(self, rnd):
-        """Wait until every node joined round ``rnd``: its GO (``job``, ``port``), or the
-        verdict that ended the job instead (a dict with ``verdict``)."""
-        self._say("join", rnd)
-        deadline = time.monotonic() + self.join_timeout + self.lost_after
-        self._heard = None  # the coordinator may not be up yet: only the deadline counts
-        while rnd not in self._go:
-            if rnd in self._verdicts:
-                verdict, why = self._verdicts[rnd]
-                return {"verdict": verdict, "why": why}
+    def _wait(self, done, what, interrupted, first_contact_s):
+        """Move messages until ``done()``; raise RoundsError once the coordinator is lost.
+        Returns the signal number if ``interrupted()`` says one came, else 0."""
+        start = time.monotonic()
+        while not done():
+            signum = interrupted()
+            if signum:
+                return signum
             now = time.monotonic()
-            if now > deadline or (self._heard is not None and now - self._heard > self.lost_after):
-                raise RoundsError(f"no word from the coordinating launcher (node 0, "
-                                  f"{self._where}) about round {rnd}")
+            if self._heard is None and now - start > first_contact_s:
+                raise RoundsError(f"no word from the coordinating launcher (node 0, {self._where}) "
+                                  f"within {first_contact_s:g} s, {what}")
+            if self._heard is not None and now - self._heard > self.lost_after:
+                raise RoundsError(f"lost the coordinating launcher (node 0, {self._where}): nothing "
+                                  f"heard for {self.lost_after:g} s, {what}")
             self._take(100)
-        return self._go[rnd]
+        return 0
+
+    def join(self, rnd, interrupted=lambda: 0):
+        """Wait until every node joined round ``rnd``: its GO (``job``, ``port``), or the
+        verdict that ended the job instead (a dict with ``verdict``), or ``{"signal": n}``
+        when ``interrupted()`` said so first."""
+        self._say("join", rnd)
+        signum = self._wait(lambda: rnd in self._go or rnd in self._verdicts, f"waiting to join round {rnd}",
+                            interrupted, self.join_timeout + self.lost_after)
+        if signum:
+            return {"signal": signum}
+        if rnd in self._go:
+            return self._go[rnd]
+        verdict, why = self._verdicts[rnd]
+        return {"verdict": verdict, "why": why}
 
     def stop_requested(self, rnd):
-        """Whether round ``rnd`` was decided elsewhere (non-blocking)."""
+        """Whether round ``rnd`` was decided elsewhere (non-blocking; beats when due)."""
         self._take(0)
         return rnd in self._verdicts
 
@@ -219,15 +335,18 @@ class Agent:
         """Say how round ``rnd`` went here: ``done``, ``failed`` or ``quit``."""
         self._say(kind, rnd)
 
-    def verdict(self, rnd):
-        """Wait for round ``rnd``'s verdict: (verdict, why)."""
-        self._heard = time.monotonic()
-        while rnd not in self._verdicts:
-            if time.monotonic() - self._heard > self.lost_after:
-                raise RoundsError(f"lost the coordinating launcher (node 0, {self._where}): nothing "
-                                  f"heard for {self.lost_after:g} s while waiting for round {rnd}'s verdict")
-            self._take(200)
-        return self._verdicts[rnd]
+    def verdict(self, rnd, interrupted=lambda: 0, within=None):
+        """Wait for round ``rnd``'s verdict: (verdict, why); ``(None, signal)`` when
+        ``interrupted()`` said so first; ``within`` seconds at most when given (then
+        ``(None, None)`` if it did not come)."""
+        end = None if within is None else time.monotonic() + within
+
+        def decided():
+            return rnd in self._verdicts or (end is not None and time.monotonic() > end)
+        signum = self._wait(decided, f"waiting for round {rnd}'s verdict", interrupted, self.lost_after)
+        if signum:
+            return None, signum
+        return self._verdicts.get(rnd, (None, None))
 
 
 def job_name(given):

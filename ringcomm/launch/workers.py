@@ -327,30 +327,36 @@ def _run_rounds(cfg, interrupted):
     """Several nodes with restarts: every round agreed with the other nodes' launchers
     (see :mod:`.rounds`); the workers meet on MASTER_PORT + 1."""
     join_timeout = cfg.timeout or float(os.environ.get("RINGCOMM_TIMEOUT") or 300)
-    coordinator = None
-    if cfg.node_rank == 0:
-        coordinator = rounds.Coordinator(
-            nnodes=cfg.nnodes, max_restarts=cfg.max_restarts, addr=socket.gethostbyname(cfg.master_addr),
-            port=cfg.master_port, secret=cfg.secret, job=rounds.job_name(cfg.job_id),
-            worker_port=cfg.master_port + 1, join_timeout=join_timeout, log=log)
-    agent = rounds.Agent(node=cfg.node_rank, addr=cfg.master_addr, port=cfg.master_port, secret=cfg.secret,
-                         join_timeout=join_timeout)
+    coordinator = agent = None
+    rnd = 0
     try:
+        if cfg.node_rank == 0:
+            try:
+                addr = socket.gethostbyname(cfg.master_addr)
+            except OSError as exc:
+                raise rounds.RoundsError(f"cannot resolve --master-addr {cfg.master_addr!r}: {exc}") from None
+            coordinator = rounds.Coordinator(
+                nnodes=cfg.nnodes, max_restarts=cfg.max_restarts, addr=addr, port=cfg.master_port,
+                secret=cfg.secret, job=rounds.job_name(cfg.job_id), worker_port=cfg.master_port + 1,
+                join_timeout=join_timeout, log=log)
+        agent = rounds.Agent(node=cfg.node_rank, addr=cfg.master_addr, port=cfg.master_port,
+                             secret=cfg.secret, join_timeout=join_timeout)
         for rnd in itertools.count():
-            go = agent.join(rnd)
+            go = agent.join(rnd, interrupted)
+            if "signal" in go:
+                return _quit(agent, rnd, go["signal"])
             if "verdict" in go:
                 log(f"round {rnd} did not start: {go['why']}")
                 return EXIT_FAILURE
             round_cfg = dataclasses.replace(cfg, master_port=go["port"], job_id=go["job"])
             code = _attempt(round_cfg, rnd, interrupted, lambda: agent.stop_requested(rnd))
-            if code == 0:
-                agent.report("done", rnd)
-            elif code == EXIT_FAILURE:
-                agent.report("failed", rnd)
-            elif code != STOPPED:  # interrupted here: the job ends on every node
-                agent.report("quit", rnd)
-                return code
-            verdict, why = agent.verdict(rnd)
+            if code not in (0, EXIT_FAILURE, STOPPED):  # interrupted here: the job ends on every node
+                return _quit(agent, rnd, code - 128)
+            if code != STOPPED:
+                agent.report("done" if code == 0 else "failed", rnd)
+            verdict, why = agent.verdict(rnd, interrupted)
+            if verdict is None:
+                return _quit(agent, rnd, why)
             if verdict == rounds.FINISHED:
                 return 0
             if verdict != rounds.RESTART:
@@ -359,11 +365,25 @@ def _run_rounds(cfg, interrupted):
             log(f"{why}: restarting the workers of every node (restart {rnd + 1} of {cfg.max_restarts})")
     except rounds.RoundsError as exc:
         log(str(exc))
+        if agent is not None:
+            agent.report("quit", rnd)  # whoever still listens ends the job too
         return EXIT_FAILURE
     finally:
-        agent.close()
+        if agent is not None:
+            agent.close()
         if coordinator is not None:
             coordinator.close()
+
+
+def _quit(agent, rnd, signum):
+    """Interrupted by ``signum``: end the job on every node, then exit 128 + signum."""
+    log(f"received {signal.Signals(signum).name}; ending the job on every node")
+    agent.report("quit", rnd)
+    try:  # let the coordinator hear it before this launcher (maybe node 0's) goes
+        agent.verdict(rnd, within=3.0)
+    except rounds.RoundsError:
+        pass
+    return 128 + signum
 
 
 def main(argv: list[str] | None = None) -> int:

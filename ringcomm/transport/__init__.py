@@ -69,7 +69,7 @@ def connect(info):
                                     info.timeout)
         _forget_secret_file(info)  # every rank has joined: all of them know the secret
         endpoints = rendezvous.endpoints_for(entry, table, info.force_tcp,
-                                             source=rendezvous.chosen_ip(info.local_rank))
+                                             source=rendezvous.source_ip(info.local_rank) if need_tcp else None)
         transport = ZmqTransport(info.rank, info.world_size, context, pull, endpoints,
                                  [e["id"] for e in table], guard=guard,
                                  cleanup=rendezvous.socket_files(entry),

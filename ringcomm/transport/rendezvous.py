@@ -61,11 +61,15 @@ def host_id():
     return "/".join([socket.gethostname(), boot, *namespaces])
 
 
+def _given_ips():
+    return [a.strip() for a in os.environ.get("RINGCOMM_IFADDR", "").split(",") if a.strip()]
+
+
 def chosen_ip(local_rank=0):
     """The address ``RINGCOMM_IFADDR`` gives this rank, or ``None``: one address for every
     rank of the host, or a comma-separated list of one per local rank (a host with a
     network interface per rank)."""
-    given = [a.strip() for a in os.environ.get("RINGCOMM_IFADDR", "").split(",") if a.strip()]
+    given = _given_ips()
     if not given:
         return None
     if len(given) == 1:
@@ -74,6 +78,13 @@ def chosen_ip(local_rank=0):
         raise CommError(f"RINGCOMM_IFADDR lists {len(given)} addresses, one per local rank, "
                         f"but this rank's local rank is {local_rank}")
     return given[local_rank]
+
+
+def source_ip(local_rank=0):
+    """Where this rank's TCP connections leave from: its own address when ``RINGCOMM_IFADDR``
+    lists one per local rank (so each rank's traffic takes its own interface), else
+    ``None`` (the routing table chooses)."""
+    return chosen_ip(local_rank) if len(_given_ips()) > 1 else None
 
 
 def local_ip(master_addr, local_rank=0):
@@ -129,7 +140,8 @@ def endpoints_for(me, table, force_tcp=False, source=None):
             endpoints.append(e["ipc"])
         elif e.get("tcp"):
             # ZeroMQ's "source;destination" form: port 0, any free port on that address
-            endpoints.append(e["tcp"] if source is None else f"tcp://{source}:0;{e['tcp'][len('tcp://'):]}")
+            src = f"[{source}]" if source and ":" in source else source
+            endpoints.append(e["tcp"] if source is None else f"tcp://{src}:0;{e['tcp'][len('tcp://'):]}")
         else:
             raise CommError(f"rank {r} runs on another host but offers no TCP address: "
                             f"LOCAL_WORLD_SIZE said every rank shares one host")

@@ -10,13 +10,14 @@ import socket
 import sys
 
 ETH_P_ALL = 0x0003
+SO_RCVBUFFORCE = 33  # Linux; not exported by the socket module
 
 
 def main(iface, out):
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+    sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 << 20)  # root: past rmem_max
     sock.bind((iface, 0))
     sock.settimeout(0.2)
     print("listening", flush=True)

@@ -22,6 +22,9 @@ def test_hierarchical_collectives_across_emulated_hosts(cluster):
     for out, rc in results:
         assert rc == 0, out[-3000:]
     said = results[0][0]
+    # each rank's traffic left through its own link: every veth carried the rank's share
+    sent = [tx for tx, _ in cluster.link_bytes()]
+    assert min(sent) > 100_000, sent
     for check in ("ok topology", "ok all_reduce hier", "ok all_reduce ring", "ok all_reduce auto",
                   "ok reduce_scatter hier", "ok all_gather hier", "ok broadcast and reduce"):
         assert check in said, said[-3000:]

@@ -42,17 +42,18 @@ def wait_for(path, timeout=60):
 @pytest.mark.parametrize("encrypt", ["default", "0"])
 def test_strangers_and_eavesdroppers_get_nothing(cluster, tmp_path, encrypt):
     secret = secrets.token_hex(16)
-    captures = [capture(cluster, r, tmp_path / f"link{r}.raw") for r in range(2)]
     extra = {"PYTHONPATH": REPO, "RINGCOMM_TIMEOUT": "30"}
     if encrypt != "default":
         extra["RINGCOMM_ENCRYPT"] = encrypt
     intruder_env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                         MASTER_ADDR=cluster.addr(0), MASTER_PORT=str(PORT), RINGCOMM_SECRET=secrets.token_hex(16),
                         RINGCOMM_TIMEOUT="6", PYTHONPATH=REPO)
-    intruder = netns.spawn(cluster, 1, [sys.executable, "-c", "import ringcomm; ringcomm.init()"], intruder_env)
-    time.sleep(0.5)  # the intruder is at the rendezvous before the real rank 1
-    job = netns.launch(cluster, [os.path.join(HERE, "secure_worker.py"), str(tmp_path)], PORT, secret, **extra)
+    captures = []
     try:
+        captures += [capture(cluster, r, tmp_path / f"link{r}.raw") for r in range(2)]
+        intruder = netns.spawn(cluster, 1, [sys.executable, "-c", "import ringcomm; ringcomm.init()"], intruder_env)
+        time.sleep(0.5)  # as a rule the intruder is at the rendezvous before the real rank 1
+        job = netns.launch(cluster, [os.path.join(HERE, "secure_worker.py"), str(tmp_path)], PORT, secret, **extra)
         wait_for(tmp_path / "address")
         address = json.loads((tmp_path / "address").read_text())
         stranger = netns.spawn(cluster, 1, [sys.executable, os.path.join(HERE, "stranger.py"), address["tcp"]],

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import zmq
 
 from harness import free_port
 from ringcomm.launch import rounds
@@ -66,26 +67,63 @@ def test_a_node_that_never_comes_ends_the_job(tmp_path):
     assert "ATTEMPT" not in out
 
 
-def test_unsigned_messages_change_nothing():
+def test_strangers_and_replays_change_nothing():
+    """Frames without the secret, and signed frames that are not fresh for their connection
+    (as one recorded from another connection or another job would be), are refused: they
+    neither join a node nor decide a round."""
     port, said = free_port(), []
     coordinator = rounds.Coordinator(nnodes=2, max_restarts=1, addr="127.0.0.1", port=port, secret=SECRET,
                                      job="j", worker_port=port + 1, join_timeout=30, log=said.append)
     agents = [rounds.Agent(node=n, addr="127.0.0.1", port=port, secret=SECRET, join_timeout=30) for n in (0, 1)]
-    stranger = rounds.Agent(node=1, addr="127.0.0.1", port=port, secret="ef" * 16, join_timeout=1,
-                            lost_after=1)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(f"tcp://127.0.0.1:{port}")
     try:
-        agents[0]._say("join", 0)
-        stranger.report("join", 0)   # would complete round 0 if it counted
-        stranger.report("failed", 0)  # would decide round 0 if it counted
-        time.sleep(0.5)
-        assert not agents[0].stop_requested(0) and 0 not in agents[0]._go
+        agents[0].report("join", 0)
+        assert not agents[1].stop_requested(0)  # agent 1 has its challenge now
+        stranger = "ef" * 16
+        raw.send(rounds._seal(stranger, {"kind": "hello", "round": -1, "node": 1, "n": 1, "nonce": "a" * 32}))
+        raw.send(rounds._seal(stranger, {"kind": "join", "round": 0, "node": 1, "n": 2}))
+        # what agent 1 would say next, signed right, sent from another connection
+        for n, kind in ((agents[1]._sent + 1, "join"), (agents[1]._sent + 2, "failed")):
+            raw.send(rounds._seal(SECRET, {"kind": kind, "round": 0, "node": 1, "n": n, "to": agents[1]._theirs}))
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert not agents[0].stop_requested(0) and 0 not in agents[0]._go
         assert any("not signed with the job secret" in line for line in said), said
+        assert any("not fresh for its connection" in line for line in said), said
         assert agents[1].join(0)["port"] == port + 1 and agents[0].join(0)["job"] == "j"
         agents[0].report("failed", 0)
         assert agents[1].verdict(0)[0] == rounds.RESTART
-        with pytest.raises(rounds.RoundsError):
-            stranger.join(0)  # never hears a word it can read
     finally:
-        for agent in (*agents, stranger):
+        for agent in agents:
+            agent.close()
+        ctx.destroy(0)
+        coordinator.close()
+
+
+def rounds_go(agent, rnd):
+    """Whether ``agent`` has round ``rnd``'s GO, after moving its messages once."""
+    agent.stop_requested(rnd)
+    return rnd in agent._go
+
+
+def test_a_quit_after_a_restart_ends_the_job():
+    port = free_port()
+    coordinator = rounds.Coordinator(nnodes=2, max_restarts=3, addr="127.0.0.1", port=port, secret=SECRET,
+                                     job="j", worker_port=port + 1, join_timeout=30, log=lambda _: None)
+    agents = [rounds.Agent(node=n, addr="127.0.0.1", port=port, secret=SECRET, join_timeout=30) for n in (0, 1)]
+    try:
+        for agent in agents:
+            agent.report("join", 0)  # said once the coordinator's challenge is in
+        while not all([rounds_go(agent, 0) for agent in agents]):  # every agent moves
+            pass
+        agents[1].report("failed", 0)
+        assert agents[0].verdict(0)[0] == rounds.RESTART
+        agents[1].report("quit", 0)  # node 1's launcher will not join round 1
+        go = agents[0].join(1)
+        assert go["verdict"] == rounds.GIVE_UP and "quit before round 1" in go["why"], go
+    finally:
+        for agent in agents:
             agent.close()
         coordinator.close()

@@ -19,6 +19,7 @@ LAYOUTS = {
     "2x3": [0, 0, 0, 1, 1, 1],
     "3x2": [0, 0, 1, 1, 2, 2],
     "interleaved": [0, 1, 0, 1],          # group ranks alternate between the hosts
+    "mixed": [0, 1, 1, 0],
     "uneven": [0, 0, 0, 1],
     "uneven3": [0, 1, 1, 2, 2, 2],
     "one-host": [0, 0, 0],
@@ -227,3 +228,53 @@ def test_reduce_reaches_the_root_only(layout, dtype, opname):
             if r != root:
                 assert np.array_equal(run.results[r], xs[r])  # left unchanged
         assert sum(inter_sent(run)) == (H - 1) * count * xs.itemsize
+
+
+@pytest.mark.parametrize("layout", ["2x2", "mixed", "3x2", "uneven"])
+def test_reduce_scatter_and_all_gather_in_place_as_zero_calls_them(layout):
+    """ZeRO's shard is a view of the flat buffer: reduce-scatter into ``x``'s own slice,
+    all-gather from ``out``'s own slice."""
+    hosts = LAYOUTS[layout]
+    n, m = len(hosts), 37
+    xs = stacked(n, n * m, np.float64, "sum")
+
+    def body(r, link):
+        flat = xs[r].copy()
+        hier.reduce_scatter(link, flat[r * m:(r + 1) * m], flat, parse_op("sum", np.float64))
+        mine = flat[r * m:(r + 1) * m].copy()
+        hier.all_gather(link, flat, flat[r * m:(r + 1) * m])
+        return mine, flat
+
+    run = run_hier(hosts, body, np.float64, "reduce_scatter", "sum", count=n * m)
+    want = reference("sum", xs)
+    for r in range(n):
+        assert_matches(run.results[r][0], want[r * m:(r + 1) * m])
+        assert np.array_equal(run.results[r][1], np.concatenate([run.results[g][0] for g in range(n)]))
+
+
+@pytest.mark.parametrize("layout", ["uneven3", "mixed"])
+def test_large_buffers_take_the_chain_inside_hosts(layout):
+    """Over 64 KiB, broadcast and reduce inside a host run the chain, not the fan-out; with
+    4 KiB segments, every chunk is cut into several."""
+    hosts = LAYOUTS[layout]
+    n, count = len(hosts), 20011
+    xs = stacked(n, count, np.float64, "sum")
+    for root in (0, n - 1):
+        def body(r, link):
+            x = xs[r].copy()
+            hier.all_reduce(link, x, parse_op("sum", np.float64))
+            return x
+
+        run = run_hier(hosts, body, np.float64, "all_reduce", "sum", count=count, segment_bytes=4096)
+        for r in range(n):
+            assert_matches(run.results[r], reference("sum", xs))
+            assert run.results[r].tobytes() == run.results[0].tobytes()
+
+        def reduce_body(r, link):
+            y = xs[r].copy()
+            hier.reduce(link, y, root, parse_op("sum", np.float64))
+            return y
+
+        run = run_hier(hosts, reduce_body, np.float64, "reduce", "sum", root=root, count=count, segment_bytes=4096)
+        assert_matches(run.results[root], reference("sum", xs))
+        assert all(np.array_equal(run.results[r], xs[r]) for r in range(n) if r != root)
