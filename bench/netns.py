@@ -92,13 +92,18 @@ class Cluster:
                   "rate", self.rate, "burst", "256kb", "latency", "100ms"]
             sh(*up)
             if self.delay:
-                sh("tc", "-n", ns, "qdisc", "add", "dev", nic, "parent", "1:1", "handle", "10:",
-                   "netem", "delay", self.delay, "limit", "100000")
+                self._netem(ns, nic, "parent", "1:1", "handle", "10:")
             sh("tc", "-n", self.bridge, "qdisc", "add", "dev", port, "root", "tbf", "rate", self.rate,
                "burst", "256kb", "latency", "100ms")
         elif self.delay:
-            sh("tc", "-n", ns, "qdisc", "add", "dev", nic, "root", "netem", "delay", self.delay,
-               "limit", "100000")
+            self._netem(ns, nic, "root")
+
+    def _netem(self, ns, nic, *where):
+        done = sh("tc", "-n", ns, "qdisc", "add", "dev", nic, *where, "netem", "delay", self.delay,
+                  "limit", "100000", check=False)
+        if done.returncode:
+            raise RuntimeError(f"cannot add a delay of {self.delay} (tc netem: {done.stderr.strip()}; "
+                               f"this kernel may lack sch_netem)")
 
     def _netns(self, name):
         sh("ip", "netns", "add", name)
