@@ -19,17 +19,22 @@ Round k:
 4. after RESTART every launcher joins round k+1 once its workers are stopped (a QUIT that
    comes after a RESTART gives round k+1 the verdict GIVE_UP).
 
-Both sides send a heartbeat every second. An agent that has heard the coordinator and then
-hears nothing for ``LOST_AFTER_S`` gives up, saying the coordinator is lost; the coordinator
-gives the round up when a node it knows stops beating as long (its launcher died), and when
-nodes do not join a round within ``join_timeout`` seconds.
+The coordinator sends a heartbeat every second from its own thread; an agent beats whenever
+its launcher waits or watches its workers. An agent that has heard the coordinator and
+then, while it waits for a GO or a verdict, hears nothing for ``LOST_AFTER_S`` gives up,
+saying the coordinator is lost (while its workers run it does not judge: they fail on their
+own when node 0 is gone). The coordinator gives the round up when a node it knows is silent
+for ``SILENT_NODE_S`` (its launcher died), and when nodes do not join a round within
+``join_timeout`` seconds. A second launcher claiming a node that is taken is told so.
 
 Messages: ``MAGIC``, an HMAC-SHA256 under the job secret of the JSON that follows, and the
 JSON. An agent opens with HELLO (its own fresh nonce); the coordinator answers with a fresh
 nonce for that connection. From then on every message carries the receiver's nonce and a
 counter that only grows, so a message recorded from another connection, another job with
 the same secret, or earlier in this one is refused; a stranger without the secret can
-neither join, stop nor restart the job. Frames over 64 KiB are refused by ZeroMQ. No pickle.
+neither join, stop nor restart the job. Connections that never sent a fresh message are
+kept up to ``MAX_CONNECTIONS``, the oldest dropped first, so replayed hellos cannot crowd
+out a real launcher. Frames over 64 KiB are refused by ZeroMQ. No pickle.
 
 >>> agent = Agent(node=1, addr="10.0.0.1", port=29500, secret=s, join_timeout=300)
 >>> agent.join(0)                 # {'round': 0, 'job': ..., 'port': 29501} once all joined
@@ -49,6 +54,11 @@ import zmq
 MAGIC = b"RCL2"
 HEARTBEAT_S = 1.0
 LOST_AFTER_S = 15.0
+# a node's launcher is given up after this long unheard: longer than stopping its workers may
+# take (failure reports 1.5 s, SIGTERM grace 3 s, kills and reaping up to about 15 s), while
+# it beats only between those steps
+SILENT_NODE_S = 60.0
+CLOSE_DRAIN_S = 0.5  # close() handles what arrived before it for at most this long
 MAX_FRAME_BYTES = 64 << 10
 MAX_CONNECTIONS = 4096  # hellos remembered (replayed ones cost nothing more beyond this)
 RESTART, GIVE_UP, FINISHED = "restart", "give_up", "finished"
@@ -118,9 +128,9 @@ class Coordinator:
 
     def close(self):
         self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-        self._ctx.term()
+        self._thread.join(CLOSE_DRAIN_S + 5)
+        if not self._thread.is_alive():  # it closed its socket itself
+            self._ctx.term()
 
     def _send_to(self, ident, doc):
         conn = self._conns[ident]
@@ -137,13 +147,20 @@ class Coordinator:
             self._send(node, doc)
 
     def _serve(self):
-        beat = time.monotonic()
+        try:
+            self._loop()
+        finally:
+            self._sock.close()  # in this thread: a ZeroMQ socket belongs to one thread
+
+    def _loop(self):
+        beat, stop_by = time.monotonic(), None
         while True:
-            stopping = self._stop.is_set()
-            if self._sock.poll(0 if stopping else 100):
+            if self._stop.is_set() and stop_by is None:
+                stop_by = time.monotonic() + CLOSE_DRAIN_S
+            if stop_by is not None and (time.monotonic() > stop_by or not self._sock.poll(0)):
+                return  # what arrived before close is handled, for a bounded time
+            if self._sock.poll(0 if stop_by else 100):
                 self._receive()
-            elif stopping:
-                return  # nothing more arrived: what was sent before close is handled
             now = time.monotonic()
             if now - beat >= HEARTBEAT_S:
                 beat = now
@@ -154,10 +171,10 @@ class Coordinator:
                 missing = sorted(set(range(self.nnodes)) - self._joined)
                 self._decide(GIVE_UP, f"node(s) {missing} did not join round {self._round} "
                                       f"within {self.join_timeout:g} s")
-            silent = sorted(node for node, t in self._heard.items() if now - t > LOST_AFTER_S)
+            silent = sorted(node for node, t in self._heard.items() if now - t > SILENT_NODE_S)
             if silent:
                 self._decide(GIVE_UP, f"the launcher of node(s) {silent} stopped answering "
-                                      f"for {LOST_AFTER_S:g} s")
+                                      f"for {SILENT_NODE_S:g} s")
 
     def _receive(self):
         parts = self._sock.recv_multipart()
@@ -173,8 +190,9 @@ class Coordinator:
         if doc.get("kind") == "hello":
             if not isinstance(doc.get("nonce"), str) or ident in self._conns:
                 return self._refused("a second hello on one connection")
-            if len(self._conns) >= MAX_CONNECTIONS:
-                return self._refused("a hello beyond the connections this coordinator keeps")
+            confirmed = set(self._peers.values())
+            for old in [i for i in self._conns if i not in confirmed][:max(0, len(self._conns) - MAX_CONNECTIONS + 1)]:
+                del self._conns[old]  # the oldest never-confirmed connections go first
             self._conns[ident] = {"ours": secrets.token_hex(16), "theirs": doc["nonce"], "n": doc["n"],
                                   "node": node}
             return self._send_to(ident, {"kind": "challenge", "round": self._round, "nonce": self._conns[ident]["ours"]})
@@ -184,7 +202,9 @@ class Coordinator:
                                  "from another connection or job)")
         conn["n"] = doc["n"]
         if self._peers.get(node, ident) != ident:
-            return self._refused(f"a second launcher claiming node {node}")
+            self._refused(f"a second launcher claiming node {node}")
+            return self._send_to(ident, {"kind": "refused", "round": -1,
+                                         "why": f"node {node} already has a launcher in this job"})
         self._peers[node] = ident
         self._heard[node] = time.monotonic()
         self._handle(node, doc)
@@ -243,13 +263,18 @@ class Agent:
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         # the same identity if the connection is remade (ZeroMQ refuses a second one with it)
         self._sock.setsockopt(zmq.ROUTING_ID, self._nonce.encode())
-        self._sock.connect(f"tcp://{self._where}")
+        try:
+            self._sock.connect(f"tcp://{self._where}")
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(0)
+            raise RoundsError(f"cannot reach the coordinating launcher at {self._where}: {exc}") from None
         self._pending = []      # what was said before the coordinator's challenge came
         self._sent, self._got = 0, 0
         self._heard = None      # when the coordinator was last heard (None: not yet)
         self._beat = 0.0        # when this agent last sent anything
         self._verdicts = {}     # round -> (verdict, why)
         self._go = {}           # round -> GO message
+        self._refusal = None    # why the coordinator refused this launcher
         self._say("hello", -1, nonce=self._nonce)
 
     def close(self):
@@ -293,15 +318,22 @@ class Agent:
                 self._go[doc["round"]] = doc
             elif kind == "verdict":
                 self._verdicts[doc["round"]] = (doc.get("verdict"), doc.get("why", ""))
+            elif kind == "refused":
+                self._refusal = str(doc.get("why"))
 
     def _wait(self, done, what, interrupted, first_contact_s):
         """Move messages until ``done()``; raise RoundsError once the coordinator is lost.
         Returns the signal number if ``interrupted()`` says one came, else 0."""
         start = time.monotonic()
-        while not done():
+        while True:
+            self._take(0)  # what is queued first: it may be the answer, and it says who is alive
+            if done():
+                return 0
             signum = interrupted()
             if signum:
                 return signum
+            if self._refusal:
+                raise RoundsError(f"the coordinating launcher refused this one: {self._refusal}")
             now = time.monotonic()
             if self._heard is None and now - start > first_contact_s:
                 raise RoundsError(f"no word from the coordinating launcher (node 0, {self._where}) "
@@ -310,7 +342,6 @@ class Agent:
                 raise RoundsError(f"lost the coordinating launcher (node 0, {self._where}): nothing "
                                   f"heard for {self.lost_after:g} s, {what}")
             self._take(100)
-        return 0
 
     def join(self, rnd, interrupted=lambda: 0):
         """Wait until every node joined round ``rnd``: its GO (``job``, ``port``), or the

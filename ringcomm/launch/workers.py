@@ -355,8 +355,8 @@ def _run_rounds(cfg, interrupted):
             if code != STOPPED:
                 agent.report("done" if code == 0 else "failed", rnd)
             verdict, why = agent.verdict(rnd, interrupted)
-            if verdict is None:
-                return _quit(agent, rnd, why)
+            if verdict is None or interrupted():  # a signal: the job ends, whatever was decided
+                return _quit(agent, rnd, why if verdict is None else interrupted())
             if verdict == rounds.FINISHED:
                 return 0
             if verdict != rounds.RESTART:
@@ -368,6 +368,10 @@ def _run_rounds(cfg, interrupted):
         if agent is not None:
             agent.report("quit", rnd)  # whoever still listens ends the job too
         return EXIT_FAILURE
+    except BaseException:
+        if agent is not None:  # e.g. workers that could not be started: end the job everywhere
+            agent.report("quit", rnd)
+        raise
     finally:
         if agent is not None:
             agent.close()

@@ -67,38 +67,97 @@ def test_a_node_that_never_comes_ends_the_job(tmp_path):
     assert "ATTEMPT" not in out
 
 
+class Raw:
+    """A hand-driven connection to a coordinator: it says what a test makes it say."""
+
+    def __init__(self, port, secret, node, nonce="a" * 32):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.secret, self.node, self.nonce, self.theirs = secret, node, nonce, None
+
+    def say(self, n, **doc):
+        doc = dict(doc, n=n)
+        doc.setdefault("node", self.node)
+        doc.setdefault("round", 0)
+        self.sock.send(rounds._seal(self.secret, doc))
+
+    def hello(self):
+        self.say(1, kind="hello", round=-1, nonce=self.nonce)
+        if self.sock.poll(3000):
+            doc = rounds._open(self.secret, self.sock.recv())
+            self.theirs = doc and doc.get("nonce")
+        return self.theirs
+
+    def heard(self, timeout_ms=500):
+        """Everything the coordinator sent within ``timeout_ms`` that opens with the secret."""
+        docs = []
+        while self.sock.poll(timeout_ms):
+            docs.append(rounds._open(self.secret, self.sock.recv()))
+        return docs
+
+    def close(self):
+        self.ctx.destroy(0)
+
+
 def test_strangers_and_replays_change_nothing():
     """Frames without the secret, and signed frames that are not fresh for their connection
-    (as one recorded from another connection or another job would be), are refused: they
-    neither join a node nor decide a round."""
+    (as one recorded from another connection or another job would be: another nonce, an old
+    counter, another node), are refused: they neither join a node nor decide a round."""
     port, said = free_port(), []
     coordinator = rounds.Coordinator(nnodes=2, max_restarts=1, addr="127.0.0.1", port=port, secret=SECRET,
                                      job="j", worker_port=port + 1, join_timeout=30, log=said.append)
     agents = [rounds.Agent(node=n, addr="127.0.0.1", port=port, secret=SECRET, join_timeout=30) for n in (0, 1)]
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.connect(f"tcp://127.0.0.1:{port}")
+    stranger, insider = Raw(port, "ef" * 16, node=1), Raw(port, SECRET, node=0)
     try:
-        agents[0].report("join", 0)
-        assert not agents[1].stop_requested(0)  # agent 1 has its challenge now
-        stranger = "ef" * 16
-        raw.send(rounds._seal(stranger, {"kind": "hello", "round": -1, "node": 1, "n": 1, "nonce": "a" * 32}))
-        raw.send(rounds._seal(stranger, {"kind": "join", "round": 0, "node": 1, "n": 2}))
-        # what agent 1 would say next, signed right, sent from another connection
-        for n, kind in ((agents[1]._sent + 1, "join"), (agents[1]._sent + 2, "failed")):
-            raw.send(rounds._seal(SECRET, {"kind": kind, "round": 0, "node": 1, "n": n, "to": agents[1]._theirs}))
+        agents[0].report("join", 0)  # sent once its challenge is in: node 0 is then agent 0's
+        while agents[0]._theirs is None or agents[1]._theirs is None:
+            agents[0].stop_requested(0)
+            agents[1].stop_requested(0)
+        time.sleep(0.2)
+        stranger.say(1, kind="hello", round=-1, nonce="b" * 32)  # without the secret
+        stranger.say(2, kind="join")
+        assert insider.hello()  # signed right: a connection of its own, claiming node 0
+        insider.say(2, kind="join", node=1, to=insider.theirs)          # another node than its hello's
+        insider.say(3, kind="join", node=0, to=agents[1]._theirs)       # another connection's nonce
+        insider.say(4, kind="failed", node=0, to=insider.theirs)        # fresh: counts for node 0...
+        insider.say(4, kind="quit", node=0, to=insider.theirs)          # ...the same counter again
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             assert not agents[0].stop_requested(0) and 0 not in agents[0]._go
-        assert any("not signed with the job secret" in line for line in said), said
-        assert any("not fresh for its connection" in line for line in said), said
+        refused = "\n".join(said)
+        assert "not signed with the job secret" in refused, said
+        counts = {what.split(" (")[0]: n for what, n in coordinator._refused.counts.items()}
+        assert counts["a message that is not fresh for its connection"] == 3, counts  # logged once
+        assert "a second launcher claiming node 0" in refused, said  # agent 0 holds node 0
+        assert any(d and d.get("kind") == "refused" for d in insider.heard()), "the claimant was not told"
         assert agents[1].join(0)["port"] == port + 1 and agents[0].join(0)["job"] == "j"
         agents[0].report("failed", 0)
         assert agents[1].verdict(0)[0] == rounds.RESTART
     finally:
         for agent in agents:
             agent.close()
-        ctx.destroy(0)
+        stranger.close()
+        insider.close()
+        coordinator.close()
+
+
+def test_a_second_launcher_for_a_taken_node_is_told():
+    port = free_port()
+    coordinator = rounds.Coordinator(nnodes=2, max_restarts=1, addr="127.0.0.1", port=port, secret=SECRET,
+                                     job="j", worker_port=port + 1, join_timeout=30, log=lambda _: None)
+    first = rounds.Agent(node=1, addr="127.0.0.1", port=port, secret=SECRET, join_timeout=30)
+    second = rounds.Agent(node=1, addr="127.0.0.1", port=port, secret=SECRET, join_timeout=30)
+    try:
+        first.report("join", 0)
+        while 0 not in first._go and not first._heard:
+            first.stop_requested(0)
+        time.sleep(0.3)
+        with pytest.raises(rounds.RoundsError, match="node 1 already has a launcher in this job"):
+            second.join(0)
+    finally:
+        first.close()
+        second.close()
         coordinator.close()
 
 
