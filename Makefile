@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 4
 
-.PHONY: run test install install-test install-bench bench gpu-check lint clean
+.PHONY: run test install install-test install-bench bench gpu-check gpu-wheels lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -77,8 +77,20 @@ bench: install-bench
 	$(PY) bench/peers.py --world-sizes 2,4 --sizes 4K,256K,4M,64M --out $(BENCH_OUT)
 	$(PY) bench/plots.py --out $(BENCH_OUT)
 
+# The wheels gpu-check needs on a GPU machine that has Python 3.12, CuPy and pytest but no
+# network: pyzmq and pytest-timeout, downloaded here into .whl/ (ignored by git).
+GPU_PYTHON ?= 3.12
+gpu-wheels: | $(PY)
+	mkdir -p .whl
+	$(PY) -m pip download --quiet --only-binary=:all: --no-deps --python-version $(GPU_PYTHON) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_17_x86_64 -d .whl "pyzmq>=25"
+	$(PY) -m pip download --quiet --only-binary=:all: --no-deps -d .whl "pytest-timeout>=2.3"
+	@ls .whl
+
 # On a machine with a CUDA GPU and CuPy (no install: such machines may be offline). If a
-# folder .whl/ holds wheels (e.g. pyzmq for that machine's Python), they are installed first.
+# folder .whl/ holds wheels (make gpu-wheels: pyzmq for that machine's Python), they are
+# installed first.
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps \
 	  --no-compile --target /tmp/ringcomm-site .whl/*.whl; fi

@@ -1,4 +1,4 @@
-"""``make gpu-check``: everything that needs a GPU, in one short script (< 5 minutes).
+"""``make gpu-check``: everything that needs a GPU, in one short script (``--budget``, 540 s).
 
 Run on a machine with a CUDA GPU and CuPy (for example the lent H200 machine, whose Python
 has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). Steps:
@@ -14,7 +14,11 @@ has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). St
    GPU): all-reduce of float32 and bfloat16 tensors, an all-gather into one tensor, and 5 DDP
    steps of a small model, each checked against its closed form or a one-process run.
 
-Results go to ``OUT/gpu_check.json`` (``--out``; default ``bench/out``) and a summary to stdout.
+Results go to ``OUT/gpu_check.json`` (``--out``; default ``bench/out``) and a summary to
+stdout. The JSON is written after every step and names the steps that did not run, so a run
+cut short (its own ``--budget`` of seconds, a step's time limit, no GPU at all) still says
+what it measured: a step that runs out of time is recorded as timed out, and steps left
+when the budget is spent are listed under ``not_run``.
 """
 import argparse
 import json
@@ -25,6 +29,7 @@ import tempfile
 import time
 
 STRATEGIES = [("dp", []), ("ddp", []), ("zero1", []), ("zero2", []), ("zero3", []), ("zero2", ["--offload"]),
+              ("zero2", ["--offload", "--precision", "fp32"]),  # host master weights, device gradients
               # the GPT on each model-parallel dimension (2 ranks sharing the GPU)
               ("ddp", ["--model", "gpt", "--cp", "2"]), ("zero3", ["--model", "gpt", "--tp", "2", "--sp"]),
               ("zero1", ["--model", "gpt", "--pp", "2", "--micro-batches", "2", "--recompute"])]
@@ -82,56 +87,107 @@ dist.destroy_process_group()
 '''
 
 
-def run(cmd, timeout, env=None):
-    start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    return result, time.perf_counter() - start
+MIN_STEP_S = 10.0  # a step with less time than this left is not started
+
+
+class Steps:
+    """The check's clock and its JSON: each step's time limit is cut to what is left of the
+    budget, and the report is written after every step."""
+
+    def __init__(self, path, budget):
+        self.path, self.end = path, time.monotonic() + budget
+        self.report = {"ok": True, "not_run": []}
+
+    def left(self):
+        return self.end - time.monotonic()
+
+    def run(self, name, cmd, timeout, env=None):
+        """``cmd``'s CompletedProcess, or None when the budget is spent (the step is listed
+        under not_run) or the step ran out of time (recorded, with what it printed)."""
+        limit = min(timeout, self.left())
+        if limit < MIN_STEP_S:
+            self.report["not_run"].append(name)
+            self.report["ok"] = False
+            self.save()
+            return None
+        start = time.perf_counter()
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            self.report.setdefault("timed_out", []).append({"step": name, "after_s": limit, "tail": out[-1500:]})
+            self.report["ok"] = False
+            self.save()
+            return None
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def save(self):
+        with open(self.path, "w") as f:
+            json.dump(self.report, f, indent=1)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    report = {"ok": True}
+    path = os.path.join(args.out, "gpu_check.json")
+    steps = Steps(path, args.budget)
+    report = steps.report
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    names = ["gpu tests", "collectives", *(s + "".join(e) for s, e in STRATEGIES), "torch backend"]
 
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() < 1:
             raise RuntimeError("CuPy sees no CUDA device")
     except Exception as exc:  # noqa: BLE001 - no CuPy, no driver, no device
+        report.update(ok=False, error=f"no GPU here: {exc!r}", not_run=names)
+        steps.save()
         print(f"make gpu-check needs CuPy and a CUDA GPU, and this machine has none ({exc!r}); "
-              f"run it on a GPU machine (pip install 'ringcomm[gpu]')", file=sys.stderr)
+              f"run it on a GPU machine (pip install 'ringcomm[gpu]'); wrote {path}", file=sys.stderr)
         return 2
     from ringcomm import kernels
     report["environment"] = {"cupy": cupy.__version__, "devices": cupy.cuda.runtime.getDeviceCount(),
                              "name": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                              "kernels_backend": kernels.backend()}
     print("environment:", report["environment"], flush=True)
+    steps.save()
 
-    result, secs = run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], 240, env)
-    report["gpu_tests"] = {"returncode": result.returncode, "seconds": secs, "tail": result.stdout[-1500:]}
-    report["ok"] &= result.returncode == 0
-    print("gpu tests:", result.stdout.strip().splitlines()[-1:] or result.stderr[-500:], flush=True)
+    result = steps.run("gpu tests", [sys.executable, "-m", "pytest", "-q", "tests/gpu"], 240, env)
+    if result is not None:
+        report["gpu_tests"] = {"returncode": result.returncode, "seconds": result.seconds,
+                               "tail": result.stdout[-1500:]}
+        report["ok"] &= result.returncode == 0
+        print("gpu tests:", result.stdout.strip().splitlines()[-1:] or result.stderr[-500:], flush=True)
+        steps.save()
 
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(BENCH)
-    result, secs = run([sys.executable, "-m", "ringcomm.launch", "--nproc", str(args.nproc), "--device", "gpu", f.name], 240, env)
-    line = [ln for ln in result.stdout.splitlines() if "GPUBENCH " in ln]
-    report["collectives"] = json.loads(line[0].split("GPUBENCH ", 1)[1]) if line else {"error": result.stderr[-2000:]}
-    report["ok"] &= bool(line) and all(row["wrong"] == 0 for row in report["collectives"]["rows"])
-    print("collectives:", json.dumps(report["collectives"])[:1500], flush=True)
+    result = steps.run("collectives", [sys.executable, "-m", "ringcomm.launch", "--nproc", str(args.nproc),
+                                       "--device", "gpu", f.name], 240, env)
+    if result is not None:
+        line = [ln for ln in result.stdout.splitlines() if "GPUBENCH " in ln]
+        report["collectives"] = json.loads(line[0].split("GPUBENCH ", 1)[1]) if line else {"error": result.stderr[-2000:]}
+        report["ok"] &= bool(line) and all(row["wrong"] == 0 for row in report["collectives"]["rows"])
+        print("collectives:", json.dumps(report["collectives"])[:1500], flush=True)
+        steps.save()
 
     report["training"] = []
     for strategy, extra in STRATEGIES:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = os.path.join(tmp, "m.json")
+            precision = [] if "--precision" in extra else ["--precision", "fp16"]
             cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu", "-m", "ringcomm.train",
-                   "--strategy", strategy, *extra, "--precision", "fp16", "--steps", "40", "--metrics-json", metrics]
-            result, secs = run(cmd, 120, env)
-            entry = {"strategy": strategy + "".join(extra), "returncode": result.returncode, "seconds": secs}
+                   "--strategy", strategy, *extra, *precision, "--steps", "40", "--metrics-json", metrics]
+            result = steps.run(strategy + "".join(extra), cmd, 120, env)
+            if result is None:
+                continue
+            entry = {"strategy": strategy + " ".join(["", *extra]), "returncode": result.returncode,
+                     "seconds": result.seconds}
             if result.returncode == 0:
                 with open(metrics) as m:
                     doc = json.load(m)
@@ -143,18 +199,18 @@ def main(argv=None):
             report["ok"] &= result.returncode == 0
             report["training"].append(entry)
             print("training:", json.dumps(entry)[:600], flush=True)
+            steps.save()
 
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(TORCH_CHECK)
-    result, secs = run([sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu", f.name], 180, env)
-    line = [ln for ln in result.stdout.splitlines() if "TORCHCHECK " in ln]
-    report["torch_backend"] = json.loads(line[0].split("TORCHCHECK ", 1)[1]) if line else {"error": result.stderr[-2000:]}
-    report["ok"] &= bool(line) and all(report["torch_backend"].values())
-    print("torch backend:", json.dumps(report["torch_backend"])[:1000], flush=True)
-
-    path = os.path.join(args.out, "gpu_check.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    result = steps.run("torch backend", [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu",
+                                         f.name], 180, env)
+    if result is not None:
+        line = [ln for ln in result.stdout.splitlines() if "TORCHCHECK " in ln]
+        report["torch_backend"] = json.loads(line[0].split("TORCHCHECK ", 1)[1]) if line else {"error": result.stderr[-2000:]}
+        report["ok"] &= bool(line) and all(report["torch_backend"].values())
+        print("torch backend:", json.dumps(report["torch_backend"])[:1000], flush=True)
+    steps.save()
     print(f"gpu-check: {'PASSED' if report['ok'] else 'FAILED'}; results in {path}")
     return 0 if report["ok"] else 1
 

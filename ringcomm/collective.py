@@ -110,8 +110,14 @@ class Call:
         return self.result
 
     def _finishing(self, link, progress):
-        """``progress`` of a deferred point-to-point call, counted once when it completes."""
+        """``progress`` of a deferred point-to-point call, counted once when it completes. It
+        may go on in another thread than the one that started it (a receive handed over to
+        the communication thread): that thread's current device is made the rank's first."""
+        device = self.device
+
         def finishing():
+            if device.staged:
+                device.activate()
             try:
                 done = progress()
             except SignatureMismatch as exc:

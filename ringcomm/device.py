@@ -25,11 +25,14 @@ waits on a send that a dead peer will never complete.
 >>> dev = select("emulated", local_rank=0)
 >>> host = dev.stage_out(np.arange(4.0))    # a copy in the pinned buffer, ready for the wire
 """
+import logging
 import os
+import threading
 
 import numpy as np
 
 DEVICES = ("auto", "cpu", "gpu", "emulated")
+log = logging.getLogger(__name__)
 
 
 class HostDevice:
@@ -91,17 +94,33 @@ class StagedDevice(HostDevice):
 
 
 class EmulatedDevice(StagedDevice):
-    """numpy memory playing the device, for exercising the staging path without a GPU."""
+    """numpy memory playing the device, for exercising the staging path without a GPU. As
+    strict as CUDA about the current device, which is per thread: a copy on a thread that
+    never made this device current raises (on a GPU it would go to device 0)."""
 
     kind = "emulated"
+
+    def __init__(self, slot_bytes=1 << 20):
+        super().__init__(slot_bytes)
+        self._threads = set()  # threads that made this device current
+
+    def activate(self):
+        self._threads.add(threading.get_ident())
+
+    def _current(self):
+        if threading.get_ident() not in self._threads:
+            raise RuntimeError(f"a device copy on thread {threading.current_thread().name!r}, which "
+                               f"never made the rank's device current (activate)")
 
     def _pinned(self, nbytes):
         return np.empty(nbytes, np.uint8)
 
     def _to_host(self, array, host):
+        self._current()
         np.copyto(host, array)
 
     def _to_device(self, host):
+        self._current()
         return np.array(host, copy=True)
 
 
@@ -141,26 +160,52 @@ class CudaDevice(StagedDevice):
         self.cupy.cuda.Device(self.index).use()  # the communication thread too
 
 
-def gpu_available():
+PROBE = r"""extern "C" __global__ void ringcomm_probe(float* x) { x[threadIdx.x] += 1.0f; }"""
+
+
+def gpu_usable():
+    """``(True, "")`` when CuPy sees a CUDA device and can compile and run a kernel on it
+    (NVRTC and the driver agree), else ``(False, why)``."""
     try:
         import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no"
-        return False
+    except Exception as exc:  # noqa: BLE001 - not installed, or a broken install: all mean "no"
+        return False, f"CuPy cannot be imported ({exc})"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False, "CuPy sees no CUDA device"
+    except Exception as exc:  # noqa: BLE001 - no driver
+        return False, f"CuPy sees no CUDA device ({exc})"
+    try:
+        x = cupy.zeros(4, dtype=cupy.float32)
+        cupy.RawKernel(PROBE, "ringcomm_probe")((1,), (4,), (x,))
+        ok = bool((x == 1).all())
+    except Exception as exc:  # noqa: BLE001 - NVRTC missing, a driver older than the toolkit...
+        return False, f"CuPy sees a CUDA device but cannot compile and run a kernel on it ({exc})"
+    return ok, "" if ok else "a probe kernel on the CUDA device computed a wrong result"
+
+
+def gpu_available():
+    return gpu_usable()[0]
 
 
 def select(device=None, local_rank=0, slot_bytes=1 << 20):
-    """The device for this worker: ``auto`` (a GPU if CuPy sees one, else the CPU), ``cpu``,
-    ``gpu`` (an error without one), or ``emulated``. Default: ``RINGCOMM_DEVICE`` or auto."""
+    """The device for this worker: ``auto`` (a GPU if CuPy sees one and can run a probe kernel
+    on it, else the CPU; the choice is logged, a GPU that cannot run kernels as a warning),
+    ``cpu``, ``gpu`` (an error without a usable one), or ``emulated``. Default:
+    ``RINGCOMM_DEVICE`` or auto."""
     device = device or os.environ.get("RINGCOMM_DEVICE", "auto")
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; expected one of {DEVICES}")
     if device == "auto":
-        device = "gpu" if gpu_available() else "cpu"
+        usable, why = gpu_usable()
+        device = "gpu" if usable else "cpu"
+        log.log(logging.WARNING if "sees a CUDA device" in why else logging.INFO,
+                "device auto: %s", "the GPU" if usable else f"the CPU: {why}")
     if device == "gpu":
-        if not gpu_available():
-            raise ValueError("device='gpu' needs CuPy and a CUDA device; none was found "
-                             "(install ringcomm[gpu], or use device='cpu')")
+        usable, why = gpu_usable()
+        if not usable:
+            raise ValueError(f"device='gpu' needs CuPy and a CUDA device it can run kernels on: "
+                             f"{why} (install ringcomm[gpu], or use device='cpu')")
         return CudaDevice(local_rank, slot_bytes)
     if device == "emulated":
         return EmulatedDevice(slot_bytes)

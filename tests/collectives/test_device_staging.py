@@ -52,6 +52,9 @@ def test_collectives_through_staging(emulated, algorithm):
 
 def test_one_staging_buffer_is_reused_and_each_call_copies():
     dev = EmulatedDevice(slot_bytes=64)
+    with pytest.raises(RuntimeError, match="never made the rank's device current"):
+        dev.stage_out(np.zeros(2))  # as on a GPU: the thread must make the device current first
+    dev.activate()
     first = dev.stage_out(np.full(4, 1, np.float64))
     assert np.array_equal(first, np.full(4, 1.0))
     second = dev.stage_out(np.full(2, 2, np.float64))
@@ -98,3 +101,30 @@ def test_an_uneven_all_to_all_that_only_receives_is_staged(emulated):
     (out, copies), _ = emulated.run(receive_only_all_to_all)
     assert np.array_equal(out, np.full(4, 7.0, np.float32))
     assert copies == 1, "rank 0's received block did not go through the device's copy-in"
+
+
+def receive_handed_over(comm):
+    """Rank 0's synchronous receive of a device array starts in this thread; a send that
+    another thread queues meanwhile makes the communication thread take the receive over and
+    finish it (an empty send: it stages nothing, so it makes the device current nowhere)."""
+    import threading
+    import time
+    x = np.zeros(50_000)
+    if comm.rank == 0:
+        other = threading.Thread(target=lambda: (time.sleep(0.2), comm.send(np.zeros(0), dst=1, tag=7)))
+        other.start()
+        comm.recv(x, src=1, tag=3)
+        other.join()
+    else:
+        time.sleep(0.6)
+        comm.send(np.full(50_000, 2.0), dst=0, tag=3)
+        comm.recv(np.zeros(0), src=0, tag=7)
+    return float(x.sum())
+
+
+def test_a_receive_finished_by_the_communication_thread_uses_the_ranks_device(emulated):
+    """On a GPU the communication thread's copies would go to device 0 unless it makes the
+    rank's device current; the emulated device raises instead."""
+    if emulated.world_size != 2:
+        pytest.skip("the case is written for two ranks")
+    assert emulated.run(receive_handed_over)[0] == 100_000.0

@@ -291,3 +291,4 @@ def test_encryption_defaults_to_on_across_hosts(setting, local, expected):
 def test_a_garbled_encryption_setting_is_refused():
     with pytest.raises(ValueError, match="RINGCOMM_ENCRYPT='maybe': expected 1 or 0"):
         env.from_environ({"RINGCOMM_ENCRYPT": "maybe"})
+

@@ -1,0 +1,36 @@
+"""``make gpu-check`` (bench/gpu_check.py) always leaves its JSON: without a GPU it says so
+and lists every step as not run; a step that runs out of time is recorded as timed out with
+what it printed; steps the budget no longer covers are listed as not run."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import gpu_check  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_without_a_gpu_the_json_says_so(tmp_path):
+    from ringcomm.device import gpu_available
+    if gpu_available():
+        pytest.skip("this machine has a GPU")
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] is False and "no GPU here" in report["error"]
+    assert "gpu tests" in report["not_run"] and "zero2--offload--precisionfp32" in report["not_run"]
+
+
+def test_a_step_out_of_time_and_one_past_the_budget_are_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 0.5)
+    steps = gpu_check.Steps(str(tmp_path / "gpu_check.json"), budget=5)
+    slow = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"]
+    assert steps.run("slow", slow, timeout=1.5) is None
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] is False
+    assert report["timed_out"][0]["step"] == "slow" and "started" in report["timed_out"][0]["tail"]
+    steps.end = 0  # the budget is spent
+    assert steps.run("never", [sys.executable, "-c", "pass"], timeout=30) is None
+    assert "never" in json.loads((tmp_path / "gpu_check.json").read_text())["not_run"]
