@@ -114,9 +114,13 @@ class Strategy:
             return self.reg.alloc(self.optimizer_category, name, count, np.float32)
         self.optimizer = make_optimizer(self.cfg.optimizer, size, self.cfg.lr, self.cfg.weight_decay, alloc)
 
+    def keeps_master(self):
+        """Whether a separate fp32 master copy exists (mixed precision)."""
+        return self.mixed
+
     def k_bytes(self):
-        """Optimizer bytes per parameter: the fp32 master copy (mixed precision) + state."""
-        return (4 if self.mixed else 0) + self.optimizer.state_bytes
+        """Optimizer bytes per parameter: the fp32 master copy (when there is one) + state."""
+        return (4 if self.keeps_master() else 0) + self.optimizer.state_bytes
 
     def predicted_bytes(self, rank):
         size = self.dtype.itemsize

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..algorithms.chunks import split
 from ..algorithms.choice import all_reduce_bytes
+from ..device import array_module
 
 
 class TPLayer:
@@ -66,17 +67,17 @@ class TPLayer:
         if self.kind == "column" and self.last:
             out = self._gather_columns(out, tp_group)
         if relu:
-            np.maximum(out, 0, out=out)
+            array_module(out).maximum(out, 0, out=out)
         return out
 
     def _gather_columns(self, local, tp_group):
         widths = [hi - lo for lo, hi in split(0, self.fan_out, self.tp)]
-        pad = max(widths)
-        padded = np.zeros((local.shape[0], pad), local.dtype)
+        pad, xp = max(widths), array_module(local)  # numpy, or cupy on a GPU
+        padded = xp.zeros((local.shape[0], pad), local.dtype)
         padded[:, :local.shape[1]] = local
-        gathered = np.empty((self.tp, local.shape[0], pad), local.dtype)
+        gathered = xp.empty((self.tp, local.shape[0], pad), local.dtype)
         tp_group.all_gather(gathered.reshape(-1), padded.reshape(-1))
-        return np.concatenate([gathered[i, :, :w] for i, w in enumerate(widths)], axis=1)
+        return xp.concatenate([gathered[i, :, :w] for i, w in enumerate(widths)], axis=1)
 
     def backward(self, h, W, out, dout, tp_group, relu, need_dh):
         """Gradients from ``dout`` (the gradient of this rank's output as ``forward`` returned
@@ -85,7 +86,7 @@ class TPLayer:
         if relu:
             d[out <= 0] = 0
         if self.kind == "column" and self.last:
-            d = np.ascontiguousarray(d[:, self.cols])
+            d = array_module(d).ascontiguousarray(d[:, self.cols])
         dW = h.T @ d
         db = d.sum(axis=0)
         dh = None

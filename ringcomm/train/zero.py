@@ -64,7 +64,7 @@ class Zero(Strategy):
         else:
             self.flat_grads = self.reg.alloc("grads", "grads", lay.total, self.dtype)
             self.grads = lay.views(self.flat_grads)
-        if self.mixed:
+        if self.keeps_master():
             self.master = self.reg.alloc(self.optimizer_category, "master shard", lay.shard_total, np.float32)
             copy_into(self.master, lay.own_shard(lay.pack(params, np.float32), r))
         self.make_optimizer(lay.shard_total)
@@ -188,9 +188,15 @@ class Zero(Strategy):
     def _own(self, flat):
         return self.layout.own_shard(flat, self.rank)
 
+    def keeps_master(self):
+        """A separate fp32 master shard: in mixed precision, and when the optimizer is
+        offloaded from a GPU (the update runs on the host, next to its state; the device
+        parameters are written back from it)."""
+        return self.mixed or (self.cfg.offload and self.xp is not np)
+
     def master_pieces(self):
         lay = self.layout
-        if self.mixed:
+        if self.keeps_master():
             return [(self.master, 0, lay.shard_total)]
         if self.sharded("params"):
             return [(self.param_shard, 0, lay.shard_total)]
@@ -198,7 +204,7 @@ class Zero(Strategy):
                 for u in lay.units]
 
     def write_back(self):
-        if not self.mixed:
+        if not self.keeps_master():
             return
         if self.sharded("params"):
             cast_into(self.param_shard, self.master)
@@ -220,7 +226,7 @@ class Zero(Strategy):
     # -- reporting --------------------------------------------------------------------------
     def full_params(self):
         lay = self.layout
-        if self.mixed:
+        if self.keeps_master():
             shard = self.master
         elif self.sharded("params"):
             shard = self.param_shard.astype(np.float32)
@@ -244,14 +250,14 @@ class Zero(Strategy):
     checkpoint_kind = "shard"
 
     def state(self):
-        out = {"master": (self.master if self.mixed else
+        out = {"master": (self.master if self.keeps_master() else
                           self.param_shard if self.sharded("params") else
                           self.layout.own_shard(self.flat_params, self.rank)).astype(np.float32)}
         return {**out, **self.optimizer.state()}
 
     def load_state(self, state):
         shard = np.asarray(state["master"], np.float32)
-        if self.mixed:
+        if self.keeps_master():
             copy_into(self.master, shard)
         if self.sharded("params"):
             copy_into(self.param_shard, shard)
