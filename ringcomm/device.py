@@ -11,10 +11,10 @@ is the code the CPU tests exercise:
 
 - :class:`HostDevice` (``cpu``): numpy; nothing to stage, segments go out zero-copy.
 - :class:`CudaDevice` (``gpu``): CuPy arrays on GPU ``LOCAL_RANK % device_count``. Device →
-  host copies run on a dedicated copy stream after an event recorded on the producer's
-  stream, so data leaves the device only once the kernels that wrote it have finished;
-  while ZeroMQ's I/O thread sends slot k, this thread is already copying segment k+1.
-  Received segments are copied in and reduced on the GPU.
+  host copies run on a dedicated copy stream after an event recorded on the current stream
+  of the thread that stages, and each copy is waited for before the segment is sent (one
+  staging buffer: no copy overlaps a send yet). Received segments are copied into a new
+  device array on that thread's current stream and reduced on the GPU.
 - :class:`EmulatedDevice` (``emulated``, for tests): numpy arrays treated as device memory,
   with the same staging buffer and staging calls as the GPU.
 
