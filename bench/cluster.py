@@ -37,7 +37,6 @@ draws it.
 import argparse
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -50,14 +49,13 @@ import numpy as np
 
 import benchlib as bl
 import netns
+from cluster_training import PORT, train
+from ringcomm.algorithms.choice import all_reduce_bytes, hier_all_reduce_bytes
 from ringcomm.units import human, parse_size
 
-PORT = 29611
 PAYLOAD_SHARE = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps on)
 ALGORITHMS = ("ring", "hier", "ps")
 ENCRYPTION = {"on": (True,), "off": (False,), "both": (True, False)}
-MODEL = ["--layers", "256,1024,1024,1024,1024,10", "--batch-size", "256", "--samples", "2048",
-         "--bucket-mb", "1"]
 
 
 def calibrate(cluster, nbytes=32 << 20):
@@ -105,27 +103,10 @@ def run_all_reduces(cluster, args, algo, encrypt, result_path):
     connections encrypted or not."""
     argv = [os.path.abspath(__file__), "--worker", "--size", str(args.size), "--iters", str(args.iters),
             "--warmup", str(args.warmup), "--result", result_path, "--algorithms", algo]
-    results = netns.finish(netns.launch(cluster, argv, PORT, secrets.token_hex(16), RINGCOMM_TIMEOUT=str(args.timeout),
-                                        RINGCOMM_ENCRYPT="1" if encrypt else "0"), args.timeout + 30)
-    failed = [(h, rc, out) for h, (out, rc) in enumerate(results) if rc]
-    if failed:
-        said = "\n".join(f"--- host {h} (exit {rc}):\n{out[-1500:]}" for h, rc, out in failed)
-        raise RuntimeError(f"H={cluster.hosts} L={cluster.per_host} {algo}: hosts {[f[0] for f in failed]} "
-                           f"failed\n{said}")
+    netns.run(cluster, argv, PORT, args.timeout + 30, RINGCOMM_TIMEOUT=str(args.timeout),
+              RINGCOMM_ENCRYPT="1" if encrypt else "0")
     with open(result_path) as f:
         return json.load(f)
-
-
-def run_training(cluster, strategy, steps, tmp, timeout):
-    """Rank 0's median step time (s) and bytes sent per step of a ``strategy`` job."""
-    path = os.path.join(tmp, f"train-{strategy}.json")
-    argv = ["-m", "ringcomm.train", "--strategy", strategy, "--steps", str(steps), "--metrics-json", path, *MODEL]
-    results = netns.finish(netns.launch(cluster, argv, PORT, secrets.token_hex(16)), timeout)
-    if any(rc for _, rc in results):
-        raise RuntimeError(f"{strategy} job failed:\n" + "\n".join(out[-1500:] for out, _ in results))
-    with open(path) as f:
-        rank0 = json.load(f)["per_rank"][0]
-    return rank0["step_time_s"], rank0["bytes_sent_per_step"]
 
 
 def timed(comm, x, base, want, algo, args):
@@ -183,11 +164,10 @@ def worker(args):
 def predicted(algo, H, L, S, bandwidth):
     """Seconds, and the bytes the busiest rank sends across hosts (see the module docstring)."""
     n = H * L
-    if algo == "ring" or (algo == "hier" and L == 1):
-        return 2 * (n - 1) * S / (n * bandwidth), 2 * (n - 1) * S / n
-    if algo == "hier":
-        return 2 * (H - 1) * S / (H * L * bandwidth), 2 * (H - 1) * S / (H * L)
-    return 2 * (n - L) * S / bandwidth, (n - L) * S
+    if algo == "ps":
+        return 2 * (n - L) * S / bandwidth, (n - L) * S
+    sent = hier_all_reduce_bytes(H, L, S)[1] if algo == "hier" else all_reduce_bytes(n, S, "ring")
+    return sent / bandwidth, sent
 
 
 def measure(args, H, L, tmp, rows, training):
@@ -204,7 +184,8 @@ def measure(args, H, L, tmp, rows, training):
             S, cell = res["size_bytes"], res[algo]
             pred, sent_formula = predicted(algo, H, L, S, bandwidth)
             pred += res.get("host_all_reduce_us", 0.0) / 1e6
-            ring_time[encrypt] = cell["time_us"] if algo == "ring" else ring_time.get(encrypt)
+            if algo == "ring":
+                ring_time[encrypt] = cell["time_us"]
             row = dict(cell, hosts=H, ranks_per_host=L, world_size=H * L, algorithm=algo, size_bytes=S, encrypted=encrypt,
                        predicted_us=pred * 1e6, host_all_reduce_us=res.get("host_all_reduce_us"),
                        inter_host_formula=sent_formula, busiest_link_bytes_per_call=link_sent,
@@ -218,7 +199,8 @@ def measure(args, H, L, tmp, rows, training):
         print(f"#      one TCP stream over these links: {bandwidth / 1e6:.1f} MB/s", flush=True)
         if args.training:
             for strategy in ("ddp", "zero2"):
-                step, sent = run_training(cluster, strategy, args.steps, tmp, args.timeout * 4)
+                rank0 = train(cluster, args.steps, ["--strategy", strategy], args.timeout * 4)["per_rank"][0]
+                step, sent = rank0["step_time_s"], rank0["bytes_sent_per_step"]
                 training.append(dict(hosts=H, ranks_per_host=L, strategy=strategy, step_time_s=step,
                                      bytes_sent_per_step=sent, rate=args.rate))
                 print(f"#      {strategy:>5} training step {step * 1e3:8.1f} ms, rank 0 sent "

@@ -15,7 +15,6 @@ are encrypted (CURVE), as ringcomm does by default across hosts. Writes ``cluste
 import argparse
 import json
 import os
-import secrets
 import signal
 import statistics
 import sys
@@ -26,18 +25,17 @@ import netns
 PORT = 29611
 
 MODEL = ["--layers", "256,1024,1024,1024,1024,10", "--batch-size", "256", "--samples", "2048",
-         "--bucket-mb", "1", "--strategy", "ddp"]
+         "--bucket-mb", "1"]
 
 
-def run_job(cluster, n, steps, extra, timeout=600):
+def train(cluster, steps, extra, timeout=600):
+    """The metrics document of one ``python -m ringcomm.train`` job of MODEL on ``cluster``."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.json")
         os.chmod(tmp, 0o777)
         try:
-            argv = ["-m", "ringcomm.train", "--steps", str(steps), "--metrics-json", path, *MODEL, *extra]
-            results = netns.finish(netns.launch(cluster, argv, PORT, secrets.token_hex(16)), timeout)
-            if any(rc for _, rc in results):
-                raise RuntimeError("training job failed:\n" + "\n".join(out[-1500:] for out, _ in results))
+            netns.run(cluster, ["-m", "ringcomm.train", "--steps", str(steps), "--metrics-json", path, *MODEL, *extra],
+                      PORT, timeout)
             with open(path) as f:
                 return json.load(f)
         finally:
@@ -57,7 +55,8 @@ def main(argv=None):
         print(f"cluster_training: cannot build the emulated cluster: {why}", file=sys.stderr)
         return 2
     cluster = netns.Cluster(args.world_size, 1, args.rate)  # a host per rank
-    results = {"world_size": args.world_size, "rate": args.rate, "model": MODEL, "overlap": [], "no_overlap": []}
+    results = {"world_size": args.world_size, "rate": args.rate, "model": [*MODEL, "--strategy", "ddp"],
+               "overlap": [], "no_overlap": []}
     def stop(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -66,7 +65,7 @@ def main(argv=None):
         cluster.build()
         for _ in range(args.repeats):
             for key, extra in (("overlap", []), ("no_overlap", ["--no-overlap"])):
-                doc = run_job(cluster, args.world_size, args.steps, extra)
+                doc = train(cluster, args.steps, ["--strategy", "ddp", *extra])
                 results[key].append(doc["per_rank"][0]["step_time_s"])
                 print(f"{key:10s} step {doc['per_rank'][0]['step_time_s'] * 1e3:7.1f} ms  "
                       f"(sent/step {doc['per_rank'][0]['bytes_sent_per_step'] / 2**20:.1f} MiB)", flush=True)

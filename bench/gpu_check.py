@@ -127,6 +127,12 @@ class Steps:
             json.dump(self.report, f, indent=1)
 
 
+def marked(result, tag):
+    """The JSON a job printed after ``tag``, or ``{"error": its stderr's tail}``."""
+    lines = [ln for ln in result.stdout.splitlines() if tag in ln]
+    return json.loads(lines[0].split(tag, 1)[1]) if lines else {"error": result.stderr[-2000:]}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
@@ -170,9 +176,8 @@ def main(argv=None):
     result = steps.run("collectives", [sys.executable, "-m", "ringcomm.launch", "--nproc", str(args.nproc),
                                        "--device", "gpu", f.name], 240, env)
     if result is not None:
-        line = [ln for ln in result.stdout.splitlines() if "GPUBENCH " in ln]
-        report["collectives"] = json.loads(line[0].split("GPUBENCH ", 1)[1]) if line else {"error": result.stderr[-2000:]}
-        report["ok"] &= bool(line) and all(row["wrong"] == 0 for row in report["collectives"]["rows"])
+        report["collectives"] = found = marked(result, "GPUBENCH ")
+        report["ok"] &= "error" not in found and all(row["wrong"] == 0 for row in found["rows"])
         print("collectives:", json.dumps(report["collectives"])[:1500], flush=True)
         steps.save()
 
@@ -206,9 +211,8 @@ def main(argv=None):
     result = steps.run("torch backend", [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu",
                                          f.name], 180, env)
     if result is not None:
-        line = [ln for ln in result.stdout.splitlines() if "TORCHCHECK " in ln]
-        report["torch_backend"] = json.loads(line[0].split("TORCHCHECK ", 1)[1]) if line else {"error": result.stderr[-2000:]}
-        report["ok"] &= bool(line) and all(report["torch_backend"].values())
+        report["torch_backend"] = found = marked(result, "TORCHCHECK ")
+        report["ok"] &= "error" not in found and all(found.values())
         print("torch backend:", json.dumps(report["torch_backend"])[:1000], flush=True)
     steps.save()
     print(f"gpu-check: {'PASSED' if report['ok'] else 'FAILED'}; results in {path}")

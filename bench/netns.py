@@ -28,6 +28,7 @@ namespaces. ``close`` deletes the namespaces (their veth ends go with them).
 """
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -144,6 +145,17 @@ def launch(cluster, argv, port, secret, **extra):
             "--nproc", str(cluster.per_host), "--master-addr", cluster.addr(0), "--master-port", str(port),
             *argv], env))
     return procs
+
+
+def run(cluster, argv, port, timeout, **extra):
+    """One job on ``cluster`` (see :func:`launch`, a fresh secret); every host's output, or
+    a RuntimeError with the output of each host that failed."""
+    results = finish(launch(cluster, argv, port, secrets.token_hex(16), **extra), timeout)
+    failed = [(h, rc, out) for h, (out, rc) in enumerate(results) if rc]
+    if failed:
+        raise RuntimeError(f"{' '.join(argv[:3])}: hosts {[h for h, _, _ in failed]} failed\n" +
+                           "\n".join(f"--- host {h} (exit {rc}):\n{out[-1500:]}" for h, rc, out in failed))
+    return [out for out, _ in results]
 
 
 def finish(procs, timeout):

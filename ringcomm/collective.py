@@ -24,6 +24,7 @@ others, so no rank goes on as if nothing had happened.
 Point-to-point calls (space 1) skip what only collectives need (poison, aborts, retirement):
 they are numbered per peer and tag, not in the communicator's collective order.
 """
+import threading
 import time
 from dataclasses import dataclass
 
@@ -113,11 +114,12 @@ class Call:
         """``progress`` of a deferred point-to-point call, counted once when it completes. It
         may go on in another thread than the one that started it (a receive handed over to
         the communication thread): that thread's current device is made the rank's first."""
-        device = self.device
+        device, activated = self.device, {threading.get_ident()}  # Call.run activated it here
 
         def finishing():
-            if device.staged:
+            if device.staged and threading.get_ident() not in activated:
                 device.activate()
+                activated.add(threading.get_ident())
             try:
                 done = progress()
             except SignatureMismatch as exc:

@@ -78,7 +78,6 @@ class Communicator:
         self._stats = Stats()
         self._closed = False
         self._threads = ThreadGuard(name)
-        self.guard_threads = True
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x, op="sum", algorithm="auto", async_op=False):
@@ -199,7 +198,7 @@ class Communicator:
             return self._collective("all_to_all", algorithm, x.nbytes, x, (flat_out, flat, outs, ins), out,
                                     async_op)
         self._check_open()
-        user = self._threads.enter("all_to_all") if self.guard_threads else None  # one claim for both
+        user = self._threads.enter("all_to_all")  # one claim for both calls
         try:
             self._agree_splits(outs, ins)
             # signed for count 0 (the ranks' sizes differ; the splits were agreed above); the
@@ -207,8 +206,7 @@ class Communicator:
             return self._collective("all_to_all", algorithm, x.nbytes, x if x.size else out,
                                     (flat_out, flat, outs, ins), out, async_op, count=0)
         finally:
-            if user is not None:
-                self._threads.leave(user)
+            self._threads.leave(user)
 
     def _agree_splits(self, outs, ins):
         """Every rank's splits, all-gathered: CollectiveMismatch on every rank if any rank's
@@ -305,6 +303,14 @@ class Communicator:
         return self._local
 
     @property
+    def guard_threads(self):
+        return self._threads.enabled
+
+    @guard_threads.setter
+    def guard_threads(self, on):
+        self._threads.enabled = bool(on)
+
+    @property
     def topology(self):
         """Which ranks of this group share a host: a :class:`~ringcomm.topology.Topology`
         (``comm.topology.hosts[r]``: the host number of group rank r), the same on every
@@ -361,7 +367,7 @@ class Communicator:
         route, so two threads' sends cannot be paired in the wrong order across ranks."""
         self._check_open()
         # see ringcomm.threads
-        user = self._threads.enter(verb) if route is None and self.guard_threads else None
+        user = self._threads.enter(verb) if route is None else None
         work = None
         try:
             call, work = self._queue(body, sig, x, result, async_op, verb, route)
@@ -372,8 +378,7 @@ class Communicator:
                     self._engine.release()
             return work if async_op else work.wait()
         finally:
-            if user is not None:
-                self._threads.leave(user, work if async_op else None)
+            self._threads.leave(user, work if async_op else None)
 
     def _queue(self, body, sig, x, result, async_op, verb, route):
         """The call, and its queued :class:`~ringcomm.engine.Work` (None: a synchronous

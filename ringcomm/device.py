@@ -160,12 +160,14 @@ class CudaDevice(StagedDevice):
         self.cupy.cuda.Device(self.index).use()  # the communication thread too
 
 
+UNUSABLE = "CuPy sees a CUDA device but cannot compile and run a kernel on it"
 PROBE = r"""extern "C" __global__ void ringcomm_probe(float* x) { x[threadIdx.x] += 1.0f; }"""
 
 
 def gpu_usable():
     """``(True, "")`` when CuPy sees a CUDA device and can compile and run a kernel on it
-    (NVRTC and the driver agree), else ``(False, why)``."""
+    (NVRTC and the driver agree), else ``(False, why)``; ``why`` names a device that is
+    there but cannot run kernels with :data:`UNUSABLE`."""
     try:
         import cupy
     except Exception as exc:  # noqa: BLE001 - not installed, or a broken install: all mean "no"
@@ -180,8 +182,8 @@ def gpu_usable():
         cupy.RawKernel(PROBE, "ringcomm_probe")((1,), (4,), (x,))
         ok = bool((x == 1).all())
     except Exception as exc:  # noqa: BLE001 - NVRTC missing, a driver older than the toolkit...
-        return False, f"CuPy sees a CUDA device but cannot compile and run a kernel on it ({exc})"
-    return ok, "" if ok else "a probe kernel on the CUDA device computed a wrong result"
+        return False, f"{UNUSABLE} ({exc})"
+    return ok, "" if ok else f"{UNUSABLE}: a probe kernel computed a wrong result"
 
 
 def gpu_available():
@@ -196,13 +198,13 @@ def select(device=None, local_rank=0, slot_bytes=1 << 20):
     device = device or os.environ.get("RINGCOMM_DEVICE", "auto")
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; expected one of {DEVICES}")
+    if device in ("auto", "gpu"):
+        usable, why = gpu_usable()  # the probe runs once
     if device == "auto":
-        usable, why = gpu_usable()
         device = "gpu" if usable else "cpu"
-        log.log(logging.WARNING if "sees a CUDA device" in why else logging.INFO,
+        log.log(logging.WARNING if why.startswith(UNUSABLE) else logging.INFO,
                 "device auto: %s", "the GPU" if usable else f"the CPU: {why}")
     if device == "gpu":
-        usable, why = gpu_usable()
         if not usable:
             raise ValueError(f"device='gpu' needs CuPy and a CUDA device it can run kernels on: "
                              f"{why} (install ringcomm[gpu], or use device='cpu')")

@@ -121,9 +121,14 @@ def job_id(environ):
     return ":".join(parts).strip(":")
 
 
+def spans_hosts(info):
+    """Whether the job's ranks run on several hosts (the launcher says fewer share this one)."""
+    return info.local_world_size < info.world_size
+
+
 def default_segment_bytes(info):
     """The segment size when the user sets none: larger when every rank shares lanes."""
-    one_host = info.local_world_size == info.world_size and info.shared_memory and not info.force_tcp
+    one_host = not spans_hosts(info) and info.shared_memory and not info.force_tcp
     return DEFAULT_LANE_SEGMENT_BYTES if one_host else DEFAULT_SEGMENT_BYTES
 
 
@@ -142,12 +147,7 @@ def from_environ(environ=None):
             break
     info.master_addr = environ.get("MASTER_ADDR") or "127.0.0.1"
     info.master_port = _int(environ, "MASTER_PORT", 0)
-    if environ.get("RINGCOMM_TIMEOUT"):
-        try:
-            info.timeout = float(environ["RINGCOMM_TIMEOUT"])
-        except ValueError:
-            raise ValueError(f"environment variable RINGCOMM_TIMEOUT={environ['RINGCOMM_TIMEOUT']!r} "
-                             "is not a number of seconds") from None
+    info.timeout = timeout(environ)
     info.force_tcp = environ.get("RINGCOMM_TRANSPORT", "").lower() == "tcp"
     info.shared_memory = environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
     info.shm_slots = _int(environ, "RINGCOMM_SHM_SLOTS", 4)
@@ -157,6 +157,17 @@ def from_environ(environ=None):
     info.job = job_id(environ)
     info.encrypt = _switch(environ, "RINGCOMM_ENCRYPT")
     return info
+
+
+def timeout(environ):
+    """``RINGCOMM_TIMEOUT`` in seconds, else ``DEFAULT_TIMEOUT``."""
+    if not environ.get("RINGCOMM_TIMEOUT"):
+        return DEFAULT_TIMEOUT
+    try:
+        return float(environ["RINGCOMM_TIMEOUT"])
+    except ValueError:
+        raise ValueError(f"environment variable RINGCOMM_TIMEOUT={environ['RINGCOMM_TIMEOUT']!r} "
+                         "is not a number of seconds") from None
 
 
 def _switch(environ, name):
@@ -174,7 +185,7 @@ def _switch(environ, name):
 def encrypts(info):
     """Whether this job's peer connections are encrypted: as ``info.encrypt`` says, else
     when its ranks span several hosts (their TCP connections cross a network)."""
-    return info.encrypt if info.encrypt is not None else info.local_world_size < info.world_size
+    return info.encrypt if info.encrypt is not None else spans_hosts(info)
 
 
 def validate(info):

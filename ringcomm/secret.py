@@ -24,7 +24,7 @@ import os
 import secrets
 import time
 
-from . import rundir
+from . import env, rundir
 from .errors import CommTimeout
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def resolve(info, environ=None):
         return from_file(environ["RINGCOMM_SECRET_FILE"]), ""
     if info.world_size == 1:
         return secrets.token_hex(16), ""
-    if info.local_world_size == info.world_size:
+    if not env.spans_hosts(info):
         return _agree_on_this_host(info)
     if insecure(environ):
         log.warning(INSECURE_WARNING)

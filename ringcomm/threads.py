@@ -24,11 +24,15 @@ from .errors import CommError
 class ThreadGuard:
     def __init__(self, name):
         self.name = name
+        self.enabled = True  # off: every claim is granted (the caller orders calls itself)
         self._users = {}  # thread ident -> [calls inside, async works not yet complete]
         self._lock = threading.Lock()
 
     def enter(self, collective):
-        """Claim the communicator for this thread's call (raises if another thread has it)."""
+        """Claim the communicator for this thread's call (raises if another thread has it);
+        ``None`` when the guard is off."""
+        if not self.enabled:
+            return None
         me = threading.get_ident()
         with self._lock:
             user = self._users.get(me)
@@ -62,6 +66,8 @@ class ThreadGuard:
 
     def leave(self, user, work=None):
         """The call returned; an unfinished ``work`` keeps the claim until it completes."""
+        if user is None:
+            return
         with self._lock:
             user[0] -= 1
             if work is not None and not work.is_completed():

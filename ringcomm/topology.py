@@ -18,6 +18,8 @@ counts (:class:`ringcomm.link.Stats`):
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -29,11 +31,6 @@ class Topology:
         """The topology of a group whose rank r runs on the host named ``host_ids[r]``."""
         numbers = {}
         return cls(tuple(numbers.setdefault(h, len(numbers)) for h in host_ids), rank)
-
-    @classmethod
-    def single(cls, size, rank):
-        """Every rank on one host."""
-        return cls((0,) * size, rank)
 
     @cached_property
     def host_ranks(self):
@@ -61,6 +58,23 @@ class Topology:
 
     def local_rank(self, r):
         return self.host_ranks[self.hosts[r]].index(r)
+
+    @cached_property
+    def my_host(self):
+        """The group ranks of this rank's host, in order."""
+        return self.host_ranks[self.hosts[self.rank]]
+
+    @cached_property
+    def by_rail(self):
+        """With L ranks on every host: for each group rank g, the place of its chunk in a
+        buffer ordered by rail — rail i's H chunks in host order form piece i+1 (mod L),
+        the piece local rank i finishes in a ring reduce-scatter inside its host."""
+        L, H = self.per_host, self.num_hosts
+        slot = [0] * len(self.hosts)
+        for h, members in enumerate(self.host_ranks):
+            for i, g in enumerate(members):
+                slot[g] = ((i + 1) % L) * H + h
+        return np.array(slot)
 
     def rail(self, i):
         """The group ranks with local rank ``i``, in host order (uniform hosts only)."""

@@ -12,9 +12,10 @@ replaced, so one broken test cannot spill into the next.
 import multiprocessing as mp
 import os
 import signal
-import socket
 import traceback
 from multiprocessing.connection import wait
+
+from ringcomm import env
 
 TEST_TIMEOUT = 20.0  # ringcomm's own deadline inside pools: a hang fails fast
 
@@ -24,9 +25,7 @@ class RankFailure(AssertionError):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return env.free_port("127.0.0.1")
 
 
 def job_env(rank, world_size, port, extra=None):

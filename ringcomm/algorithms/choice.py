@@ -43,8 +43,8 @@ def auto_algorithm(collective, n, nbytes, local=False, topology=None):
         if nbytes <= SMALL_MESSAGE_BYTES:
             return "ps"
         return "hier" if layered else "ring"
-    if collective in ("reduce_scatter", "all_gather") and layered and topology.per_host:
-        return "hier"
+    if collective in ("reduce_scatter", "all_gather") and topology is not None:
+        return bandwidth_algorithm(topology)
     return "ring"
 
 

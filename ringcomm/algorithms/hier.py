@@ -62,16 +62,14 @@ def all_reduce(link, x, op):
         return ring.all_reduce(link, x, op)
     if top.per_host is None:
         return _all_reduce_via_leaders(link, x, op)
-    me = link.rank
-    host = link.sub(top.host_ranks[top.hosts[me]], HOST)
-    local = host.rank
+    host = link.sub(top.my_host, HOST)
     table = ring.chunk_table(x, host)
-    mine = table[(local + 1) % host.size]  # the chunk this rank finishes in phase 1
+    mine = table[(host.rank + 1) % host.size]  # the chunk this rank finishes in phase 1
     chunk = x[mine[0].start:mine[-1].stop]
-    ring.reduce_scatter_in_place(host, x, _partial(op), table)
-    ring.all_reduce(link.sub(top.rail(local), RAIL), chunk, _partial(op))
+    ring.reduce_scatter_in_place(host, x, _partial(op), table)  # steps 0 .. L-2
+    ring.all_reduce(link.sub(top.rail(host.rank), RAIL), chunk, _partial(op))
     finalize(op, chunk, n)
-    ring.all_gather_in_place(link.sub(top.host_ranks[top.hosts[me]], HOST_AGAIN), x, table)
+    ring.all_gather_in_place(host, x, table)  # steps L-1 .. 2L-3: keys of their own
 
 
 def _all_reduce_via_leaders(link, x, op):
@@ -82,19 +80,16 @@ def _all_reduce_via_leaders(link, x, op):
     if leaders is not None:
         ring.all_reduce(leaders, x, _partial(op))
         finalize(op, x, link.size)
-    _broadcast_in(link.sub(top.host_ranks[top.hosts[link.rank]], HOST_AGAIN), x, lead)
+    _broadcast_in(link.sub(top.my_host, HOST_AGAIN), x, lead)
 
 
-def _by_rail(top, m):
-    """For each group rank g, where its m-element chunk lies in a buffer ordered by rail:
-    rail i's H chunks (in host order) form piece i, and piece i+1 (mod L) is the one local
-    rank i finishes in a ring reduce-scatter inside the host."""
-    L, H = top.per_host, top.num_hosts
-    at = [0] * len(top.hosts)
-    for h, members in enumerate(top.host_ranks):
-        for i, g in enumerate(members):
-            at[g] = (((i + 1) % L) * H + h) * m
-    return at
+def _piece(buf, host):
+    """The H·m elements of ``buf`` (ordered by rail, see Topology.by_rail) that this rank's
+    rail works on: piece local rank + 1 (mod L), the one the ring inside the host finishes
+    here."""
+    size = buf.size // host.size
+    at = (host.rank + 1) % host.size * size
+    return buf[at:at + size]
 
 
 def reduce_scatter(link, out, x, op):
@@ -103,16 +98,11 @@ def reduce_scatter(link, out, x, op):
     top, n, m = link.topology, link.size, out.size
     if top is None or not top.layered or top.per_host is None:
         return ring.reduce_scatter(link, out, x, op)
-    me = link.rank
-    at = _by_rail(top, m)
     buf = _empty(x, x.size)
-    for g in range(n):
-        buf[at[g]:at[g] + m] = x[g * m:(g + 1) * m]
-    host = link.sub(top.host_ranks[top.hosts[me]], HOST)
-    table = ring.chunk_table(buf, host)
-    ring.reduce_scatter_in_place(host, buf, _partial(op), table)
-    piece = buf[at[top.host_ranks[0][top.local_rank(me)]]:][:top.num_hosts * m]
-    ring.reduce_scatter(link.sub(top.rail(host.rank), RAIL), out, piece, _partial(op))
+    buf.reshape(n, m)[top.by_rail] = x.reshape(n, m)
+    host = link.sub(top.my_host, HOST)
+    ring.reduce_scatter_in_place(host, buf, _partial(op), ring.chunk_table(buf, host))
+    ring.reduce_scatter(link.sub(top.rail(host.rank), RAIL), out, _piece(buf, host), _partial(op))
     finalize(op, out, n)
 
 
@@ -121,16 +111,11 @@ def all_gather(link, out, x):
     top, n, m = link.topology, link.size, x.size
     if top is None or not top.layered or top.per_host is None:
         return ring.all_gather(link, out, x)
-    me = link.rank
-    at = _by_rail(top, m)
-    host = link.sub(top.host_ranks[top.hosts[me]], HOST)
-    rail = link.sub(top.rail(host.rank), RAIL)
+    host = link.sub(top.my_host, HOST)
     buf = _empty(out, out.size)
-    piece = buf[at[top.host_ranks[0][host.rank]]:][:top.num_hosts * m]
-    ring.all_gather(rail, piece, x)
+    ring.all_gather(link.sub(top.rail(host.rank), RAIL), _piece(buf, host), x)
     ring.all_gather_in_place(host, buf, ring.chunk_table(buf, host))
-    for g in range(n):
-        out[g * m:(g + 1) * m] = buf[at[g]:at[g] + m]
+    out.reshape(n, m)[...] = buf.reshape(n, m)[top.by_rail]
 
 
 def _host_and_leaders(link, root):
@@ -140,7 +125,7 @@ def _host_and_leaders(link, root):
     top, me = link.topology, link.rank
     heads = [root if root is not None and top.hosts[root] == h else members[0]
              for h, members in enumerate(top.host_ranks)]
-    members = top.host_ranks[top.hosts[me]]
+    members = top.my_host
     lead = members.index(heads[top.hosts[me]])
     first = 0 if root is None else top.hosts[root]
     heads = heads[first:] + heads[:first]

@@ -42,14 +42,14 @@ out a real launcher. Frames over 64 KiB are refused by ZeroMQ. No pickle.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import secrets
 import threading
 import time
 
 import zmq
+
+from ..transport.rendezvous import sign, verified
 
 MAGIC = b"RCL2"
 HEARTBEAT_S = 1.0
@@ -70,7 +70,7 @@ class RoundsError(RuntimeError):
 
 def _seal(secret: str, doc: dict) -> bytes:
     body = json.dumps(doc, sort_keys=True).encode()
-    return MAGIC + hmac.new(secret.encode(), body, hashlib.sha256).digest() + body
+    return MAGIC + sign(secret, body) + body
 
 
 def _open(secret: str, frame: bytes):
@@ -78,7 +78,7 @@ def _open(secret: str, frame: bytes):
     if len(frame) < 36 or frame[:4] != MAGIC:
         return None
     mac, body = frame[4:36], frame[36:]
-    if not hmac.compare_digest(mac, hmac.new(secret.encode(), body, hashlib.sha256).digest()):
+    if not verified(secret, mac, body):
         return None
     try:
         doc = json.loads(body)
@@ -252,9 +252,8 @@ class Coordinator:
 class Agent:
     """One launcher's side: join a round, report how it went, hear the verdict."""
 
-    def __init__(self, *, node, addr, port, secret, join_timeout, lost_after=LOST_AFTER_S):
+    def __init__(self, *, node, addr, port, secret, join_timeout):
         self.node, self.secret, self.join_timeout = node, secret, join_timeout
-        self.lost_after = lost_after
         self._where = f"{addr}:{port}"
         self._ctx = zmq.Context()
         self._nonce, self._theirs = secrets.token_hex(16), None  # ours; the coordinator's
@@ -338,9 +337,9 @@ class Agent:
             if self._heard is None and now - start > first_contact_s:
                 raise RoundsError(f"no word from the coordinating launcher (node 0, {self._where}) "
                                   f"within {first_contact_s:g} s, {what}")
-            if self._heard is not None and now - self._heard > self.lost_after:
+            if self._heard is not None and now - self._heard > LOST_AFTER_S:
                 raise RoundsError(f"lost the coordinating launcher (node 0, {self._where}): nothing "
-                                  f"heard for {self.lost_after:g} s, {what}")
+                                  f"heard for {LOST_AFTER_S:g} s, {what}")
             self._take(100)
 
     def join(self, rnd, interrupted=lambda: 0):
@@ -349,7 +348,7 @@ class Agent:
         when ``interrupted()`` said so first."""
         self._say("join", rnd)
         signum = self._wait(lambda: rnd in self._go or rnd in self._verdicts, f"waiting to join round {rnd}",
-                            interrupted, self.join_timeout + self.lost_after)
+                            interrupted, self.join_timeout + LOST_AFTER_S)
         if signum:
             return {"signal": signum}
         if rnd in self._go:
@@ -374,12 +373,8 @@ class Agent:
 
         def decided():
             return rnd in self._verdicts or (end is not None and time.monotonic() > end)
-        signum = self._wait(decided, f"waiting for round {rnd}'s verdict", interrupted, self.lost_after)
+        signum = self._wait(decided, f"waiting for round {rnd}'s verdict", interrupted, LOST_AFTER_S)
         if signum:
             return None, signum
         return self._verdicts.get(rnd, (None, None))
 
-
-def job_name(given):
-    """The name every round's workers share (the round is added by ringcomm.env.job_id)."""
-    return given or secrets.token_hex(8)

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import shutil
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .. import rundir
+from .. import env, rundir
 from . import rounds
 from .config import (
     PROG, LaunchConfig, _stdout_lock, _stderr_lock,
@@ -326,7 +327,7 @@ def _attempt(cfg, attempt, interrupted, stop_requested=lambda: False):
 def _run_rounds(cfg, interrupted):
     """Several nodes with restarts: every round agreed with the other nodes' launchers
     (see :mod:`.rounds`); the workers meet on MASTER_PORT + 1."""
-    join_timeout = cfg.timeout or float(os.environ.get("RINGCOMM_TIMEOUT") or 300)
+    join_timeout = cfg.timeout or env.timeout(os.environ)
     coordinator = agent = None
     rnd = 0
     try:
@@ -337,7 +338,7 @@ def _run_rounds(cfg, interrupted):
                 raise rounds.RoundsError(f"cannot resolve --master-addr {cfg.master_addr!r}: {exc}") from None
             coordinator = rounds.Coordinator(
                 nnodes=cfg.nnodes, max_restarts=cfg.max_restarts, addr=addr, port=cfg.master_port,
-                secret=cfg.secret, job=rounds.job_name(cfg.job_id), worker_port=cfg.master_port + 1,
+                secret=cfg.secret, job=cfg.job_id or secrets.token_hex(8), worker_port=cfg.master_port + 1,
                 join_timeout=join_timeout, log=log)
         agent = rounds.Agent(node=cfg.node_rank, addr=cfg.master_addr, port=cfg.master_port,
                              secret=cfg.secret, join_timeout=join_timeout)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..errors import CommError
-from .tensors import check_op, lend
+from .tensors import check_op, lend, wire_count
 from .work import TorchWork
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "prod", ReduceOp.MIN: "min",
@@ -55,8 +55,7 @@ def _rows(tensor, splits, n, name):
         return None
     if len(splits) != n:
         raise ValueError(f"ringcomm all_to_all_single: {name} has {len(splits)} entries for {n} ranks")
-    per_row = tensor.numel() // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 0
-    per_row *= 2 if tensor.is_complex() else 1
+    per_row = wire_count(tensor) // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 0
     return [int(s) * per_row for s in splits]
 
 
@@ -150,8 +149,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._reduce_scatter(output, [input], opts, [output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self._reduce_scatter(o, [i], opts, [o]) for o, i in zip(outputs, inputs, strict=True)]
-        return self._chain(works, outputs)
+        return self._each(self.reduce_scatter_single, outputs, inputs, opts)
 
     def _reduce_scatter(self, out, pieces, opts, result):
         opts = opts or dist.ReduceScatterOptions()
@@ -180,12 +178,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._all_gather([output], input, opts, [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self._all_gather([o], i, opts, [o]) for o, i in zip(outputs, inputs, strict=True)]
-        return self._chain(works, outputs)
+        return self._each(self.all_gather_single, outputs, inputs, opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        works = [self.allgather([outs], [x], opts) for outs, x in zip(output_lists, input_list, strict=True)]
-        return self._chain(works, output_lists)
+        return self._each(lambda outs, x, o: self.allgather([outs], [x], o), output_lists, input_list, opts)
+
+    def _each(self, verb, outputs, inputs, opts):
+        """A coalesced call: ``verb(output, input, opts)`` for each pair, one work for all."""
+        return self._chain([verb(o, i, opts) for o, i in zip(outputs, inputs, strict=True)], outputs)
 
     def _all_gather(self, outs, x, opts, result):
         opts = opts or dist.AllgatherOptions()
@@ -197,26 +197,25 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
         x = self._lend([_one(input_tensors, "gather")], output=False)
-        root, loans, out = opts.rootRank, [x], None
-        if self.comm.rank == root:
-            pieces = _one(output_tensors, "gather")
-            self._check_pieces(pieces, input_tensors[0], "gather", "output")
-            ys = self._lend(pieces, copy_in=False)
-            loans, out = [x, ys], ys.array
-        return self._start(opts, loans, output_tensors,
-                           lambda a: self.comm.gather(out, x.array, root, async_op=a))
+        ys = self._root_pieces(opts.rootRank, output_tensors, input_tensors[0], "gather", "output", copy_in=False)
+        return self._start(opts, [x, *([ys] if ys else [])], output_tensors,
+                           lambda a: self.comm.gather(ys and ys.array, x.array, opts.rootRank, async_op=a))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
         y = self._lend([_one(output_tensors, "scatter")], copy_in=False)
-        root, loans, source = opts.rootRank, [y], None
-        if self.comm.rank == root:
-            pieces = _one(input_tensors, "scatter")
-            self._check_pieces(pieces, output_tensors[0], "scatter", "input")
-            xs = self._lend(pieces, output=False)
-            loans, source = [y, xs], xs.array
-        return self._start(opts, loans, output_tensors,
-                           lambda a: self.comm.scatter(y.array, source, root, async_op=a))
+        xs = self._root_pieces(opts.rootRank, input_tensors, output_tensors[0], "scatter", "input", output=False)
+        return self._start(opts, [y, *([xs] if xs else [])], output_tensors,
+                           lambda a: self.comm.scatter(y.array, xs and xs.array, opts.rootRank, async_op=a))
+
+    def _root_pieces(self, root, tensors, like, what, side, **lend):
+        """On ``root``: its list of per-rank tensors (``side`` of ``what``), checked against
+        ``like`` and lent as one buffer; ``None`` on every other rank."""
+        if self.comm.rank != root:
+            return None
+        pieces = _one(tensors, what)
+        self._check_pieces(pieces, like, what, side)
+        return self._lend(pieces, **lend)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.AllToAllOptions()
@@ -243,8 +242,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 raise ValueError(f"ringcomm all_to_all_single: the {name}'s first dimension "
                                  f"({tensor.shape[0]}) does not split evenly over {n} ranks")
         if (outs is None) != (ins is None):  # one side uneven: name both sides' counts
-            outs = outs or [output.numel() * (2 if output.is_complex() else 1) // n] * n
-            ins = ins or [input.numel() * (2 if input.is_complex() else 1) // n] * n
+            outs = outs or [wire_count(output) // n] * n
+            ins = ins or [wire_count(input) // n] * n
         xs = self._lend([input], output=False)
         ys = self._lend([output], copy_in=False)
         return self._start(opts, [xs, ys], [output],

@@ -58,6 +58,11 @@ def _wire_dtype(dtype, reducing):
     return _MOVE_AS.get(dtype, dtype)
 
 
+def wire_count(tensor):
+    """How many wire elements ``tensor`` takes: a complex element travels as two reals."""
+    return tensor.numel() * (2 if tensor.is_complex() else 1)
+
+
 def _wire_source(tensor, wire):
     """``tensor``'s elements as flat ``wire`` elements: a view of its memory when it is
     contiguous (and not bfloat16 reduced as float32), else a copy."""
@@ -100,7 +105,7 @@ class Loan:
         wire = _wire_dtype(self.tensors[0].dtype, reducing) if self.tensors else torch.uint8
         self.bounds, start = [], 0  # (tensor, start, stop): each tensor's wire elements in the buffer
         for t in self.tensors:
-            stop = start + t.numel() * (2 if t.is_complex() else 1)
+            stop = start + wire_count(t)
             self.bounds.append((t, start, stop))
             start = stop
         shared = len(self.tensors) == 1 and _shares_memory(self.tensors[0], wire)

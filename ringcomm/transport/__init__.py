@@ -5,6 +5,7 @@ import time
 
 import zmq
 
+from .. import env
 from . import rendezvous
 from .base import P2P_WINDOW_BYTES
 from .security import Guard
@@ -57,7 +58,7 @@ def connect(info):
     pull = guard = None
     try:
         guard = Guard(context, info.secret, info.world_size, info.encrypt)
-        need_tcp = info.force_tcp or info.local_world_size < info.world_size
+        need_tcp = info.force_tcp or env.spans_hosts(info)
         pull, entry = rendezvous.bind_pull(context, info.master_addr, info.segment_bytes + 8192,
                                            guard, need_tcp, info.local_rank)
         entry["shm"] = _shared_memory_entry(info)

@@ -153,12 +153,14 @@ def socket_files(entry):
     return [entry["ipc"][len("ipc://"):]]
 
 
-def _sign(secret, *parts):
+def sign(secret, *parts):
+    """HMAC-SHA256 under the job secret of ``parts`` joined by ``|`` (the launchers' round
+    messages are signed this way too)."""
     return hmac.new(secret.encode(), b"|".join(parts), hashlib.sha256).digest()
 
 
-def _verified(secret, mac, *parts):
-    return hmac.compare_digest(_sign(secret, *parts), mac)
+def verified(secret, mac, *parts):
+    return hmac.compare_digest(sign(secret, *parts), mac)
 
 
 def exchange(context, rank, world_size, master_addr, master_port, entry, settings, secret, job,
@@ -223,11 +225,11 @@ class _Server:
             self.challenges.popitem(last=False)
         job = self.job.encode()
         self.router.send_multipart([ident, b"CHALLENGE", server_nonce, job,
-                                    _sign(self.secret, b"challenge", client_nonce, server_nonce, job)])
+                                    sign(self.secret, b"challenge", client_nonce, server_nonce, job)])
 
     def _admit(self, ident, body, mac):
         nonces = self.challenges.pop(ident, None)
-        if nonces is None or not _verified(self.secret, mac, b"join", *nonces, body):
+        if nonces is None or not verified(self.secret, mac, b"join", *nonces, body):
             log.warning("rendezvous: ignored a join that does not answer its challenge "
                         "(a stranger, or a replayed message)")
             return
@@ -267,7 +269,7 @@ class _Server:
 
     def _reply(self, ident, nonces, message):
         body = json.dumps(message).encode()
-        self.router.send_multipart([ident, b"REPLY", body, _sign(self.secret, b"reply", *nonces, body)])
+        self.router.send_multipart([ident, b"REPLY", body, sign(self.secret, b"reply", *nonces, body)])
 
 
 def _join(context, rank, world_size, master_addr, master_port, entry, settings, secret, job, deadline):
@@ -294,7 +296,7 @@ def _join(context, rank, world_size, master_addr, master_port, entry, settings, 
         hello()
         for parts in receive(again=hello):
             if len(parts) == 4 and parts[0] == b"CHALLENGE" and \
-                    _verified(secret, parts[3], b"challenge", client_nonce, parts[1], parts[2]):
+                    verified(secret, parts[3], b"challenge", client_nonce, parts[1], parts[2]):
                 server_nonce = parts[1]
                 if parts[2] != job.encode():
                     raise CommError(f"rank {rank}: the rendezvous at {address} belongs to job "
@@ -302,10 +304,10 @@ def _join(context, rank, world_size, master_addr, master_port, entry, settings, 
                 break
         body = json.dumps({"rank": rank, "world_size": world_size, "entry": entry,
                            "settings": settings, "job": job}).encode()
-        dealer.send_multipart([b"JOIN", body, _sign(secret, b"join", client_nonce, server_nonce, body)])
+        dealer.send_multipart([b"JOIN", body, sign(secret, b"join", client_nonce, server_nonce, body)])
         for parts in receive():
             if len(parts) == 3 and parts[0] == b"REPLY" and \
-                    _verified(secret, parts[2], b"reply", client_nonce, server_nonce, parts[1]):
+                    verified(secret, parts[2], b"reply", client_nonce, server_nonce, parts[1]):
                 break
         reply = json.loads(parts[1])
         if "error" in reply:

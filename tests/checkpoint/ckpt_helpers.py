@@ -37,6 +37,15 @@ def subprocess_env(**extra):
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
+def restart_args(ckpt, metrics):
+    """``python -m ringcomm.train`` arguments of the restart tests: BASE in zero2 fp16,
+    checkpoints every 2 steps into ``ckpt``, resuming from them, metrics to ``metrics``."""
+    return ["--strategy", "zero2", "--precision", "fp16", "--layers", ",".join(map(str, BASE["layers"])),
+            "--batch-size", BASE["batch_size"], "--samples", BASE["samples"], "--steps", BASE["steps"],
+            "--lr", BASE["lr"], "--seed", BASE["seed"], "--bucket-mb", BASE["bucket_mb"],
+            "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--resume", "--metrics-json", metrics]
+
+
 def config(**overrides):
     return TrainConfig(**{**BASE, **overrides})
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ckpt_helpers import BASE, run_train, steps_on_disk, subprocess_env
+from ckpt_helpers import restart_args, run_train, steps_on_disk, subprocess_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,10 +18,7 @@ def test_killed_worker_restarts_and_resumes(pools, tmp_path):
     run = dict(strategy="zero2", precision="fp16")
     reference = pools(2).run(run_train, run, False)[0]  # the launched job has the default loss scaler
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
-    args = ["--strategy", "zero2", "--precision", "fp16", "--layers", ",".join(map(str, BASE["layers"])),
-            "--batch-size", BASE["batch_size"], "--samples", BASE["samples"], "--steps", BASE["steps"],
-            "--lr", BASE["lr"], "--seed", BASE["seed"], "--bucket-mb", BASE["bucket_mb"],
-            "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--resume", "--metrics-json", metrics]
+    args = restart_args(ckpt, metrics)
     env = subprocess_env(KILL_AT_STEP="5", RINGCOMM_TIMEOUT="20")
     proc = subprocess.run([sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--max-restarts", "2",
                            os.path.join(os.path.dirname(__file__), "kill_at_step.py"), *map(str, args)],

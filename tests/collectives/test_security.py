@@ -170,14 +170,14 @@ def challenged(ctx, port):
     sock.send_multipart([b"HELLO", nonce])
     assert sock.poll(10_000), "no challenge"
     kind, server_nonce, job, mac = sock.recv_multipart()
-    assert kind == b"CHALLENGE" and rendezvous._verified(SECRET, mac, b"challenge", nonce, server_nonce, job)
+    assert kind == b"CHALLENGE" and rendezvous.verified(SECRET, mac, b"challenge", nonce, server_nonce, job)
     return sock, nonce, server_nonce
 
 
 def signed_join(nonce, server_nonce, rank=1, job=""):
     body = json.dumps({"rank": rank, "world_size": 2, "job": job, "settings": {},
                        "entry": {"host": "x", "ipc": "ipc:///nowhere", "tcp": None, "id": "0"}}).encode()
-    return [b"JOIN", body, rendezvous._sign(SECRET, b"join", nonce, server_nonce, body)]
+    return [b"JOIN", body, rendezvous.sign(SECRET, b"join", nonce, server_nonce, body)]
 
 
 def test_stranger_and_replayed_joins_at_the_rendezvous_are_ignored():

@@ -15,7 +15,8 @@ def inter_sent(comm, fn):
     comm.barrier()
     comm.reset_stats()
     fn()
-    mine = np.array([comm.stats()["bytes_sent_inter_host"], comm.stats()["bytes_sent_intra_host"]], np.float64)
+    stats = comm.stats()
+    mine = np.array([stats["bytes_sent_inter_host"], stats["bytes_sent_intra_host"]], np.float64)
     every = np.zeros(2 * comm.world_size)
     comm.all_gather(every, mine)
     return every[0::2], every[1::2]

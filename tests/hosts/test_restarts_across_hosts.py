@@ -15,7 +15,7 @@ import netns  # bench/netns.py, put on the path by conftest.py
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "tests", "checkpoint"))
-from ckpt_helpers import BASE, run_train  # noqa: E402
+from ckpt_helpers import restart_args, run_train  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,10 +24,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_worker_killed_on_the_second_host_restarts_every_host(cluster, pools, tmp_path):
     reference = pools(2).run(run_train, dict(strategy="zero2", precision="fp16"), False)[0]
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
-    args = ["--strategy", "zero2", "--precision", "fp16", "--layers", ",".join(map(str, BASE["layers"])),
-            "--batch-size", BASE["batch_size"], "--samples", BASE["samples"], "--steps", BASE["steps"],
-            "--lr", BASE["lr"], "--seed", BASE["seed"], "--bucket-mb", BASE["bucket_mb"],
-            "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--resume", "--metrics-json", metrics]
+    args = restart_args(ckpt, metrics)
     script = os.path.join(REPO, "tests", "checkpoint", "kill_at_step.py")
     procs = netns.launch(cluster, ["--max-restarts", "2", script, *map(str, args)], 29781, secrets.token_hex(16),
                          KILL_AT_STEP="5", RINGCOMM_TIMEOUT="20", PYTHONPATH=REPO)
