@@ -4,6 +4,7 @@ either node restarts the workers of both, a node that never comes ends the job, 
 message not signed with the job secret changes nothing. Across real network namespaces:
 tests/hosts/test_restarts_across_hosts.py."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -186,3 +187,31 @@ def test_a_quit_after_a_restart_ends_the_job():
         for agent in agents:
             agent.close()
         coordinator.close()
+
+
+SLEEPY = """
+import time
+print("WORKING", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_signal_to_one_launcher_ends_the_job_on_every_node(tmp_path):
+    script = tmp_path / "sleepy.py"
+    script.write_text(SLEEPY)
+    port = free_port()
+    env = dict(os.environ, RINGCOMM_SECRET=SECRET, PYTHONPATH=REPO)
+    procs = [subprocess.Popen([sys.executable, "-m", "ringcomm.launch", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--max-restarts", "2", str(script)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    deadline = time.monotonic() + 30
+    while "WORKING" not in procs[1].stdout.readline():  # node 1's worker runs: round 0 started
+        assert time.monotonic() < deadline
+    procs[1].send_signal(signal.SIGTERM)
+    (_, err0), (_, err1) = [p.communicate(timeout=60) for p in procs]
+    assert procs[1].returncode == 143, err1
+    assert "ending the job on every node" in err1, err1
+    assert procs[0].returncode == 1 and "node 1's launcher quit: giving up" in err0, err0
+    assert "restarting" not in err0 + err1
