@@ -37,7 +37,7 @@ __device__ __forceinline__ void adam_unscale_check_impl(const G* grad, float los
                                                         int* found_inf, long long n) {
     int bad = 0;
     RC_GRID_STRIDE(i, n) {
-        const float g = __fdiv_rn(Compute<G>::load(grad[i]), loss_scale);
+        const float g = div(Compute<G>::load(grad[i]), loss_scale);
         bad |= !is_finite(g);
     }
     // every thread of the block reaches this once, whatever its trip count
@@ -54,15 +54,15 @@ __device__ __forceinline__ void adam_step_impl(
     long long n) {
     if (*skip) return;
     RC_GRID_STRIDE(i, n) {
-        float g = __fdiv_rn(Compute<G>::load(grad[i]), loss_scale);
-        g = __fmul_rn(g, clip_coef);
+        float g = div(Compute<G>::load(grad[i]), loss_scale);
+        g = mul(g, clip_coef);
         float p = master[i];
-        if (use_weight_decay) g = __fadd_rn(g, __fmul_rn(weight_decay, p));
-        const float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(one_minus_beta1, g));
-        const float vi = __fadd_rn(__fmul_rn(v[i], beta2),
-                                   __fmul_rn(__fmul_rn(one_minus_beta2, g), g));
-        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bias_correction2_sqrt), eps);
-        p = __fsub_rn(p, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+        if (use_weight_decay) g = add(g, mul(weight_decay, p));
+        const float mi = add(mul(m[i], beta1), mul(one_minus_beta1, g));
+        const float vi = add(mul(v[i], beta2),
+                                   mul(mul(one_minus_beta2, g), g));
+        const float denom = add(div(sqrt_rn(vi), bias_correction2_sqrt), eps);
+        p = sub(p, mul(step_size, div(mi, denom)));
         m[i] = mi;
         v[i] = vi;
         master[i] = p;

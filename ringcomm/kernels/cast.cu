@@ -37,19 +37,19 @@ __device__ __forceinline__ void find_nonfinite_impl(const T* x, int* found, long
 
 extern "C" __global__ void cast_f32_to_f16(const float* src, rc::half* dst, float scale,
                                            long long n) {
-    RC_GRID_STRIDE(i, n) { dst[i] = rc::to_half(__fmul_rn(src[i], scale)); }
+    RC_GRID_STRIDE(i, n) { dst[i] = rc::to_half(rc::mul(src[i], scale)); }
 }
 
 extern "C" __global__ void cast_f16_to_f32(const rc::half* src, float* dst, float scale,
                                            long long n) {
-    RC_GRID_STRIDE(i, n) { dst[i] = __fmul_rn(rc::to_float(src[i]), scale); }
+    RC_GRID_STRIDE(i, n) { dst[i] = rc::mul(rc::to_float(src[i]), scale); }
 }
 
 extern "C" __global__ void unscale_f16_to_f32(const rc::half* src, float* dst, float loss_scale,
                                               int* found_inf, long long n) {
     int bad = 0;
     RC_GRID_STRIDE(i, n) {
-        const float g = __fdiv_rn(rc::to_float(src[i]), loss_scale);
+        const float g = rc::div(rc::to_float(src[i]), loss_scale);
         dst[i] = g;
         bad |= !rc::is_finite(g);
     }
@@ -59,7 +59,7 @@ extern "C" __global__ void unscale_f16_to_f32(const rc::half* src, float* dst, f
 extern "C" __global__ void unscale_f32(float* x, float loss_scale, int* found_inf, long long n) {
     int bad = 0;
     RC_GRID_STRIDE(i, n) {
-        const float g = __fdiv_rn(x[i], loss_scale);
+        const float g = rc::div(x[i], loss_scale);
         x[i] = g;
         bad |= !rc::is_finite(g);
     }

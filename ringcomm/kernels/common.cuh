@@ -6,8 +6,8 @@
 // bundles). -DRINGCOMM_NO_CUDA_FP16 swaps in a two-byte struct with the same layout and the
 // same two PTX conversions that __half2float / __float2half_rn emit, for an NVRTC that cannot
 // find cuda_fp16.h; ringcomm/kernels.py retries with it. Every floating-point step that must
-// match numpy bit for bit uses the round-to-nearest intrinsics (__fadd_rn, __fmul_rn,
-// __fdiv_rn, __fsqrt_rn, ...), which are never contracted into an FMA.
+// match numpy bit for bit goes through rc::add/sub/mul/div/sqrt_rn and the comparisons
+// below: correctly rounded, never contracted into an FMA, and never flushed to zero.
 #ifndef RINGCOMM_NO_CUDA_FP16
 #include <cuda_fp16.h>
 namespace rc {
@@ -59,13 +59,69 @@ template <> struct Compute<half> {
     static __device__ __forceinline__ half store(float x) { return to_half(x); }
 };
 
-// Correctly rounded arithmetic, never contracted.
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+// Correctly rounded arithmetic, never contracted, and for fp32 never flushed: CuPy compiles
+// every RawModule with -ftz=true, which turns each fp32 add/mul/div/sqrt/compare/widen the
+// compiler emits into its .ftz form (a subnormal operand or result becomes zero). numpy keeps
+// subnormals, so the fp32 steps are written as the PTX instructions without .ftz; the
+// -ftz flag only changes instructions the compiler chooses. fp64 has no flush mode.
+__device__ __forceinline__ float add(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float sub(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float mul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float sqrt_rn(float a) {
+    float r;
+    asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
 __device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double sub(double a, double b) { return __dsub_rn(a, b); }
 __device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ double div(double a, double b) { return __ddiv_rn(a, b); }
+
+// fp32 -> fp64 without flushing a subnormal (a plain cast compiles to cvt.ftz.f64.f32).
+__device__ __forceinline__ double widen(float a) {
+    double r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a));
+    return r;
+}
+// x in the accumulator type of A (pass A() as the tag): fp32 -> fp64 through widen.
+__device__ __forceinline__ float convert(float a, float) { return a; }
+__device__ __forceinline__ double convert(float a, double) { return widen(a); }
+__device__ __forceinline__ double convert(double a, double) { return a; }
+
+// Ordered comparisons that see a subnormal as non-zero (a > b compiles to setp.gt.ftz.f32).
+__device__ __forceinline__ bool greater(float a, float b) {
+    unsigned r;
+    asm("{ .reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
+    return r != 0;
+}
+__device__ __forceinline__ bool less(float a, float b) { return greater(b, a); }
+__device__ __forceinline__ bool equal(float a, float b) {
+    unsigned r;
+    asm("{ .reg .pred p; setp.eq.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
+    return r != 0;
+}
+template <class C> __device__ __forceinline__ bool greater(C a, C b) { return a > b; }  // fp64, ints
+template <class C> __device__ __forceinline__ bool less(C a, C b) { return a < b; }
+template <class C> __device__ __forceinline__ bool equal(C a, C b) { return a == b; }
+template <class C> __device__ __forceinline__ bool is_nan(C x) { return x != x; }
+__device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
 
 }  // namespace rc
 

@@ -20,7 +20,7 @@
 namespace rc {
 
 template <class A> __device__ __forceinline__ A warp_sum(A s) {
-    for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_down_sync(0xffffffffu, s, offset);
+    for (int offset = 16; offset > 0; offset >>= 1) s = add(s, __shfl_down_sync(0xffffffffu, s, offset));
     return s;
 }
 
@@ -43,8 +43,8 @@ __device__ __forceinline__ void sq_norm_partial_impl(const T* x, typename Comput
                                                      A* partial, long long n) {
     A s = A(0);
     RC_GRID_STRIDE(i, n) {
-        const A u = static_cast<A>(div(Compute<T>::load(x[i]), divisor));
-        s += u * u;
+        const A u = convert(div(Compute<T>::load(x[i]), divisor), A());
+        s = add(s, mul(u, u));
     }
     s = block_sum(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;

@@ -60,12 +60,12 @@ template <> struct TieToAcc<half> { static const bool value = true; };
 
 struct OpMax {
     template <class C> static __device__ __forceinline__ bool keep_acc(C a, C b, bool tie_to_acc) {
-        return a > b || a != a || (tie_to_acc && a == b);  // a != a only for NaN
+        return greater(a, b) || is_nan(a) || (tie_to_acc && equal(a, b));
     }
 };
 struct OpMin {
     template <class C> static __device__ __forceinline__ bool keep_acc(C a, C b, bool tie_to_acc) {
-        return a < b || a != a || (tie_to_acc && a == b);
+        return less(a, b) || is_nan(a) || (tie_to_acc && equal(a, b));
     }
 };
 

@@ -76,7 +76,7 @@ def find_nvcc():
 NVCC = find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH nor at /usr/local/cuda/bin/nvcc: "
                                                      "the CUDA kernels cannot be compiled to PTX here")
-NVCC_FLAGS = ["--ptx", "-arch=sm_80", "-std=c++17"]
+NVCC_FLAGS = ["--ptx", "-arch=sm_80", "-std=c++17", "-ftz=true"]  # CuPy adds -ftz=true to every RawModule
 VARIANTS = ("file", "no-fp16-header")
 
 
@@ -160,6 +160,19 @@ def test_exact_kernels_are_never_contracted_to_fma(ptx, variant):
         assert "sqrt.approx" not in body and "div.approx" not in body and "div.full" not in body
     fp16_body = entry_body(ptx["adam", variant], "adam_step_f16")
     assert "cvt.f32.f16" in fp16_body and "cvt.rn.f16.f32" in fp16_body
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_kernel_flushes_subnormals_under_cupys_ftz_flag(ptx, variant):
+    """CuPy compiles with -ftz=true; numpy keeps fp32 subnormals, so no instruction of any
+    kernel may be the flushing (.ftz) form: sums, products, quotients, square roots, the
+    comparisons of max/min and the fp32 -> fp64 widening of the norm."""
+    for name in kernels.SOURCES:
+        flushing = sorted(set(re.findall(r"\b[a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*", ptx[name, variant])))
+        assert not flushing, f"{name}.cu ({variant}) flushes subnormals: {flushing}"
+    for entry in ("reduce_max_f32", "reduce_min_f32"):
+        assert "setp." in entry_body(ptx["reduce", variant], entry)
 
 
 @needs_nvcc
