@@ -24,7 +24,6 @@ others, so no rank goes on as if nothing had happened.
 Point-to-point calls (space 1) skip what only collectives need (poison, aborts, retirement):
 they are numbered per peer and tag, not in the communicator's collective order.
 """
-import threading
 import time
 from dataclasses import dataclass
 
@@ -70,6 +69,8 @@ class Call:
     what: str         # names the call in every error: "all_reduce #7 on world"
     device: object    # stages device arrays, or the host device
     result: object    # what the caller gets back
+    ready: object = None       # device.ready() on the submitting thread
+    completion: object = None  # device.done() once the device work is all queued
 
     def run(self, transport):
         comm, space, seq = self.comm, self.space, self.seq
@@ -83,9 +84,13 @@ class Call:
                 transport.raise_news(comm.comm_id)
             else:
                 transport.pump(0)
-            if self.device.staged:  # the host device has nothing to activate
-                self.device.activate()
-            deferred = self.body(link)
+            if self.device.staged:  # the host device has nothing to order
+                with self.device.running(self.ready):
+                    deferred = self.body(link)
+                    if deferred is None:
+                        self.completion = self.device.done()
+            else:
+                deferred = self.body(link)
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
                 return Deferred(self._finishing(link, deferred.progress), self.result)
             transport.flush(link.deadline, self.what)
@@ -110,18 +115,27 @@ class Call:
         comm._stats.collectives += 1
         return self.result
 
+    def join(self, synchronize=False):
+        """On the thread that waited for this call: order its next device work after the
+        call's (``synchronize``: block until the device work is done); see ringcomm.device."""
+        if self.completion is not None:
+            self.device.join(self.completion, synchronize)
+
     def _finishing(self, link, progress):
         """``progress`` of a deferred point-to-point call, counted once when it completes. It
         may go on in another thread than the one that started it (a receive handed over to
-        the communication thread): that thread's current device is made the rank's first."""
-        device, activated = self.device, {threading.get_ident()}  # Call.run activated it here
+        the communication thread): each step enters the device's stream context there."""
+        device = self.device
 
         def finishing():
-            if device.staged and threading.get_ident() not in activated:
-                device.activate()
-                activated.add(threading.get_ident())
             try:
-                done = progress()
+                if device.staged:
+                    with device.running(None):  # the submission's event was waited for in run
+                        done = progress()
+                        if done:
+                            self.completion = device.done()
+                else:
+                    done = progress()
             except SignatureMismatch as exc:
                 raise describe_mismatch(self.what, link.ranks[link.rank], exc) from None
             if done:

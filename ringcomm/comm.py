@@ -373,9 +373,11 @@ class Communicator:
             call, work = self._queue(body, sig, x, result, async_op, verb, route)
             if work is None:  # this thread holds the transport: the call runs here and now
                 try:
-                    return call.run(self._engine.transport)
+                    result = call.run(self._engine.transport)
                 finally:
                     self._engine.release()
+                call.join()
+                return result
             return work if async_op else work.wait()
         finally:
             self._threads.leave(user, work if async_op else None)
@@ -383,7 +385,9 @@ class Communicator:
     def _queue(self, body, sig, x, result, async_op, verb, route):
         """The call, and its queued :class:`~ringcomm.engine.Work` (None: a synchronous
         collective this thread runs itself, holding the transport)."""
-        staged = self._device.staged and x.size and self._device.is_array(x)  # nothing to stage in no data
+        # an empty device array is still a device array: its (empty) segments must not reach
+        # the transport unstaged, which takes host memory only
+        staged = self._device.staged and self._device.is_array(x)
         device = self._device if staged else HOST
         engine = self._engine
         with engine.lock:  # numbers are taken in submission order, which every rank shares
@@ -398,10 +402,12 @@ class Communicator:
                 self._p2p_seq[route] += 1
                 direction, peer, tag = route
                 what = f"{'send to' if direction == 'to' else 'recv from'} rank {peer} (tag {tag}, #{seq}) on {self.name}"
-            call = Call(self, body, space, seq, sig, x.dtype, what, device, result)
+            call = Call(self, body, space, seq, sig, x.dtype, what, device, result, device.ready())
             if route is None and not async_op and engine.hold():
                 return call, None  # a collective never defers: nothing for the thread to finish
             work = engine.submit(call.run, what, inline=not async_op)
+            if staged:
+                work.joins(call.join)
         if work.inline:  # outside engine.lock: other threads may queue behind it meanwhile
             engine.run_inline(work)
         return call, work

@@ -1,4 +1,5 @@
-"""The device a worker owns, and how its arrays reach the wire.
+"""The device a worker owns, how its arrays reach the wire, and how a collective's device
+work is ordered with the caller's.
 
 Words: a **host** array lives in CPU memory (numpy); a **device** array lives on the
 worker's accelerator (CuPy). ZeroMQ and the shared-memory lanes move host bytes only, so a
@@ -10,13 +11,29 @@ Three devices share one staging path (:class:`StagedDevice`), so the code that r
 is the code the CPU tests exercise:
 
 - :class:`HostDevice` (``cpu``): numpy; nothing to stage, segments go out zero-copy.
-- :class:`CudaDevice` (``gpu``): CuPy arrays on GPU ``LOCAL_RANK % device_count``. Device →
-  host copies run on a dedicated copy stream after an event recorded on the current stream
-  of the thread that stages, and each copy is waited for before the segment is sent (one
-  staging buffer: no copy overlaps a send yet). Received segments are copied into a new
-  device array on that thread's current stream and reduced on the GPU.
+- :class:`CudaDevice` (``gpu``): CuPy arrays on GPU ``LOCAL_RANK % device_count``.
 - :class:`EmulatedDevice` (``emulated``, for tests): numpy arrays treated as device memory,
   with the same staging buffer and staging calls as the GPU.
+
+**Stream order on the GPU** (NCCL's contract). Each rank's collectives run on the
+**communication stream**, a non-blocking CUDA stream of the device's own:
+
+1. at submission, on the calling thread, :meth:`ready` records an event on that thread's
+   current stream (the kernels that produced the input);
+2. the thread that runs the collective (the caller's, or the communication thread) enters
+   :meth:`running`: the device is made current, the communication stream becomes the
+   current stream, and it waits for that event; every copy and reduce kernel of the
+   collective is queued there;
+3. when the collective's last device work is queued, :meth:`done` records the **completion
+   event** on the communication stream;
+4. :meth:`join` — on return of a synchronous call, or in ``Work.wait()`` — makes the
+   *waiting* thread's current stream wait for the completion event, so kernels it queues
+   next see the result without the host blocking; ``Work.synchronize()`` blocks the host
+   until the event has passed.
+
+Staging a segment out copies it on the communication stream and waits for that copy before
+the bytes go to the transport; a received segment is copied in on the same stream, so the
+kernel that reduces it follows it.
 
 The transport copies a staged segment (into ZeroMQ's buffer or a lane's slot) before
 ``send`` returns, so one staging buffer is enough and is free again at once: nothing ever
@@ -25,6 +42,7 @@ waits on a send that a dead peer will never complete.
 >>> dev = select("emulated", local_rank=0)
 >>> host = dev.stage_out(np.arange(4.0))    # a copy in the pinned buffer, ready for the wire
 """
+import contextlib
 import logging
 import os
 import threading
@@ -57,6 +75,23 @@ class HostDevice:
 
     def activate(self):
         """Make this the current device of the calling thread (before each collective)."""
+
+    # -- stream order (a GPU's; nothing to order on the host) ---------------------------------
+    def ready(self):
+        """On the submitting thread: what the collective's device work must follow (None)."""
+        return None
+
+    def running(self, ready):
+        """Context in which the thread that runs a collective queues its device work."""
+        self.activate()
+        return contextlib.nullcontext()
+
+    def done(self):
+        """After the collective's last device work: its completion event (None)."""
+        return None
+
+    def join(self, done, synchronize=False):
+        """On the waiting thread: order what it does next after ``done`` (see the module)."""
 
 
 class StagedDevice(HostDevice):
@@ -125,6 +160,9 @@ class EmulatedDevice(StagedDevice):
 
 
 class CudaDevice(StagedDevice):
+    """CuPy arrays on one GPU; every collective's device work on :attr:`stream` (module
+    docstring)."""
+
     kind = "gpu"
 
     def __init__(self, local_rank, slot_bytes=1 << 20):
@@ -132,7 +170,7 @@ class CudaDevice(StagedDevice):
         self.cupy = self.xp = cupy
         self.index = local_rank % cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(self.index).use()
-        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream = cupy.cuda.Stream(non_blocking=True)  # the communication stream
         super().__init__(slot_bytes)
 
     def is_array(self, x):
@@ -143,44 +181,66 @@ class CudaDevice(StagedDevice):
         return cupyx.empty_pinned(nbytes, np.uint8)
 
     def _to_host(self, array, host):
-        ready = self.cupy.cuda.get_current_stream().record()  # the producer's kernels
-        self.copy_stream.wait_event(ready)
-        array.get(stream=self.copy_stream, out=host)
-        self.copy_stream.synchronize()
+        array.get(stream=self.stream, out=host)  # blocking: the bytes are there on return
 
     def _to_device(self, host):
         out = self.cupy.empty(host.shape, host.dtype)
-        out.set(host, stream=self.cupy.cuda.get_current_stream())
+        out.set(host, stream=self.stream)
         return out
 
     def synchronize(self):
-        self.cupy.cuda.get_current_stream().synchronize()
+        self.stream.synchronize()
 
     def activate(self):
         self.cupy.cuda.Device(self.index).use()  # the communication thread too
+
+    def ready(self):
+        return self.cupy.cuda.get_current_stream().record()
+
+    @contextlib.contextmanager
+    def running(self, ready):
+        self.activate()
+        with self.stream:
+            if ready is not None:
+                self.stream.wait_event(ready)
+            yield
+
+    def done(self):
+        return self.stream.record()
+
+    def join(self, done, synchronize=False):
+        if done is None:
+            return
+        if synchronize:
+            done.synchronize()
+        else:
+            self.cupy.cuda.get_current_stream().wait_event(done)
 
 
 UNUSABLE = "CuPy sees a CUDA device but cannot compile and run a kernel on it"
 PROBE = r"""extern "C" __global__ void ringcomm_probe(float* x) { x[threadIdx.x] += 1.0f; }"""
 
 
-def gpu_usable():
+def gpu_usable(local_rank=0):
     """``(True, "")`` when CuPy sees a CUDA device and can compile and run a kernel on it
     (NVRTC and the driver agree), else ``(False, why)``; ``why`` names a device that is
-    there but cannot run kernels with :data:`UNUSABLE`."""
+    there but cannot run kernels with :data:`UNUSABLE`. The probe runs on the device the
+    rank will use (``local_rank % device_count``), so no rank touches another's GPU."""
     try:
         import cupy
     except Exception as exc:  # noqa: BLE001 - not installed, or a broken install: all mean "no"
         return False, f"CuPy cannot be imported ({exc})"
     try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count < 1:
             return False, "CuPy sees no CUDA device"
     except Exception as exc:  # noqa: BLE001 - no driver
         return False, f"CuPy sees no CUDA device ({exc})"
     try:
-        x = cupy.zeros(4, dtype=cupy.float32)
-        cupy.RawKernel(PROBE, "ringcomm_probe")((1,), (4,), (x,))
-        ok = bool((x == 1).all())
+        with cupy.cuda.Device(local_rank % count):
+            x = cupy.zeros(4, dtype=cupy.float32)
+            cupy.RawKernel(PROBE, "ringcomm_probe")((1,), (4,), (x,))
+            ok = bool((x == 1).all())
     except Exception as exc:  # noqa: BLE001 - NVRTC missing, a driver older than the toolkit...
         return False, f"{UNUSABLE} ({exc})"
     return ok, "" if ok else f"{UNUSABLE}: a probe kernel computed a wrong result"
@@ -199,7 +259,7 @@ def select(device=None, local_rank=0, slot_bytes=1 << 20):
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; expected one of {DEVICES}")
     if device in ("auto", "gpu"):
-        usable, why = gpu_usable()  # the probe runs once
+        usable, why = gpu_usable(local_rank)  # the probe runs once
     if device == "auto":
         device = "gpu" if usable else "cpu"
         log.log(logging.WARNING if why.startswith(UNUSABLE) else logging.INFO,

@@ -57,6 +57,7 @@ class Work:
         self.inline = False  # run by the submitting thread (see Engine.submit)
         self._deferred = None  # set when the work waits for messages (see Deferred)
         self._callbacks = None  # see add_done_callback
+        self._join = None  # see joins
 
     def _run(self, transport):
         """Run the work function; False if it deferred its completion (also when it was
@@ -128,11 +129,13 @@ class Work:
         """True once the operation finished, successfully or not."""
         return self._done
 
-    def wait(self, timeout=None):
+    def wait(self, timeout=None, synchronize=False):
         """Block until done (at most ``timeout`` seconds); return the result or raise its error.
 
         The communicator's own deadline bounds every operation, so ``timeout=None`` never
-        waits forever.
+        waits forever. On a GPU, "done" means the device work is queued: the calling thread's
+        current stream is made to wait for it (kernels queued next see the result; the host
+        does not block); ``synchronize=True`` (or :meth:`synchronize`) blocks until it ran.
         """
         if not self._settled:
             with _DONE_LOCK:
@@ -143,10 +146,22 @@ class Work:
                 raise CommTimeout(f"{self.what}: still running after wait(timeout={timeout})")
         if self._error is not None:
             raise self._error
+        if self._join is not None:
+            self._join(synchronize)
         return self._result
 
     def exception(self):
         return self._error
+
+    def joins(self, join):
+        """``join(synchronize)`` runs on the thread that waits, after a successful wait: on a
+        GPU it orders that thread's stream after the call's device work."""
+        self._join = join
+
+    def synchronize(self, timeout=None):
+        """:meth:`wait`, then block until the operation's device work is finished too (on a
+        GPU: its completion event; elsewhere the same as ``wait``)."""
+        return self.wait(timeout, synchronize=True)
 
 
 def _wait(event, timeout):

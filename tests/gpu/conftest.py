@@ -1,4 +1,6 @@
-"""tests/gpu/: tests that need CuPy and a CUDA device; everywhere else they are skipped.
+"""tests/gpu/: tests of the GPU path. Those with the ``backend`` fixture run twice: on the
+CuPy stand-in (``tests/standin``, everywhere) and on real CuPy with a CUDA device; every
+other test here, and the real-CuPy runs, need CuPy and a device and are skipped elsewhere.
 
 Each test module here guards its own ``import cupy``: a module-level
 ``pytest.importorskip("cupy")`` and a device check that ends in
@@ -37,6 +39,10 @@ REASON = gpu_unavailable_reason()
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _HERE in Path(str(item.path)).resolve().parents:
+            callspec = getattr(item, "callspec", None)
+            if callspec is not None and callspec.params.get("backend") == "standin":
+                item.add_marker(pytest.mark.standin)  # the CuPy stand-in: runs everywhere
+                continue
             item.add_marker(pytest.mark.gpu)
             if REASON is not None:
                 item.add_marker(pytest.mark.skip(reason=REASON))

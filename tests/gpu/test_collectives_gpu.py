@@ -1,25 +1,41 @@
-"""Collectives on CuPy arrays and the trainer with --device gpu, on real processes.
+"""Collectives on CuPy arrays and the trainer with --device gpu, on real processes, run on
+two backends:
 
-Processes are started fresh (never forked from this one, which has initialised CUDA)."""
+- ``cuda``: the real CuPy on a GPU (skipped, saying why, where there is none);
+- ``standin``: the strict CuPy stand-in of ``tests/standin`` on the CPU, which defers work
+  on streams until something waits for it, refuses numpy/device mixing, gives each rank of
+  a host its own device, and so fails where a missing stream wait, a missing device switch
+  or a host/device mix would make a GPU wrong. It runs in ``make test``.
+
+Processes are started fresh (never forked from this one), with the backend's ``cupy``.
+"""
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy", reason="GPU collective tests need CuPy")
-try:
-    _DEVICES = cp.cuda.runtime.getDeviceCount()
-except Exception as exc:  # CuPy without a driver
-    pytest.skip(f"GPU collective tests need a CUDA device ({exc})", allow_module_level=True)
-if _DEVICES < 1:
-    pytest.skip("GPU collective tests need a CUDA device; CuPy sees none", allow_module_level=True)
-
-from harness import spawn_job  # noqa: E402
+from harness import spawn_job
 
 pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+STANDIN = ROOT / "tests" / "standin"
+
+
+@pytest.fixture(params=["standin", "cuda"])
+def backend(request):
+    """(name, environment for the ranks) of one CuPy backend; conftest skips ``cuda`` where
+    there is no GPU."""
+    if request.param == "cuda":
+        return "cuda", {}
+    path = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return "standin", {"PYTHONPATH": path, "CUPY_STANDIN_DEVICES": "4"}
+
 
 COLLECTIVES = textwrap.dedent("""
     import cupy as cp, numpy as np, ringcomm
@@ -28,7 +44,7 @@ COLLECTIVES = textwrap.dedent("""
     assert comm.device == "gpu"
     bad = 0
     for algo in ("ring", "ps", "auto"):
-        for count in (0, 1, n - 1, 1009, 1_000_003):
+        for count in (0, 1, n - 1, 1009, BIG):
             for dtype in (cp.float16, cp.float32, cp.float64, cp.int32, cp.int64):
                 x = (cp.arange(count) % 7 + r).astype(dtype)  # float16 counts only to 2048 exactly
                 comm.all_reduce(x, algorithm=algo)
@@ -52,26 +68,122 @@ COLLECTIVES = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_collectives_on_cupy_arrays(n):
-    for code, out, err in spawn_job(COLLECTIVES, n, timeout=240):
+def test_collectives_on_cupy_arrays(n, backend):
+    name, env = backend
+    script = COLLECTIVES.replace("BIG", "1_000_003" if name == "cuda" else "100_003")
+    for code, out, err in spawn_job(script, n, env=env, timeout=240):
         assert code == 0, err
         assert "BAD 0 True" in out, out
 
 
-def train(strategy, device, tmp_path, extra=()):
+# The caller works on a stream of its own (non-blocking: no implicit order with any other
+# stream), or with per-thread default streams; the input is produced on that stream just
+# before the call, and the result read on it just after. Only the stream contract orders
+# them: the collective waits for an event recorded at submission; wait() (and a synchronous
+# return) make the caller's stream wait for the completion event; synchronize() blocks the
+# host, so even an unrelated stream then sees the result.
+STREAMS = textwrap.dedent("""
+    import os, cupy as cp, numpy as np, ringcomm
+    comm = ringcomm.init(device="gpu")
+    n, r = comm.world_size, comm.rank
+    mine = cp.cuda.Stream(non_blocking=True) if os.environ["CALLER"] == "non-blocking" else None
+    bad = []
+
+    def check(what, got, want):
+        if not np.array_equal(got, want):
+            bad.append(what)
+
+    def on_caller_stream():
+        return mine if mine is not None else cp.cuda.get_current_stream()
+
+    for count in (1, 4099, 300_007):
+        base = np.arange(count, dtype=np.float32)
+        for mode in ("sync", "wait", "synchronize"):
+            with on_caller_stream() as s:
+                x = cp.arange(count, dtype=cp.float32) + r          # produced on s
+                w = comm.all_reduce(x, algorithm="ring", async_op=mode != "sync")
+                if mode == "wait":
+                    w.wait()
+                elif mode == "synchronize":
+                    w.synchronize()
+                if mode == "synchronize":  # the host blocked: any stream sees the result
+                    other = cp.cuda.Stream(non_blocking=True)
+                    got = cp.asnumpy(x, stream=other)
+                else:
+                    got = cp.asnumpy(x * 2, stream=s) / 2            # consumed on s
+            check(("all_reduce", count, mode), got, base * n + n * (n - 1) / 2)
+        with on_caller_stream() as s:
+            big = cp.arange(count * n, dtype=cp.float32) * (r + 1)
+            out = cp.empty(count, cp.float32)
+            comm.reduce_scatter(out, big, async_op=True).wait()
+            got = cp.asnumpy(out + 0, stream=s)
+        check(("reduce_scatter", count), got, np.arange(count * n, dtype=np.float32)[r * count:(r + 1) * count] * (n * (n + 1) / 2))
+        with on_caller_stream() as s:
+            g = cp.empty(count * n, cp.float32)
+            comm.all_gather(g, cp.full(count, r, cp.float32), async_op=True).wait()
+            got = cp.asnumpy(g + 0, stream=s)
+        check(("all_gather", count), got, np.repeat(np.arange(n, dtype=np.float32), count))
+        with on_caller_stream() as s:
+            b = cp.full(count, r + 5, cp.float32)
+            comm.broadcast(b, root=n - 1, async_op=True).wait()
+            got = cp.asnumpy(b + 0, stream=s)
+        check(("broadcast", count), got, np.full(count, n + 4, np.float32))
+    # a receive posted before its send: the communication thread finishes it
+    with on_caller_stream() as s:
+        buf = cp.zeros(5000, cp.float32)
+        if r == 0:
+            w = comm.recv(buf, src=1, async_op=True)
+            comm.barrier()
+            w.wait()
+            check("recv", cp.asnumpy(buf + 0, stream=s), np.arange(5000, dtype=np.float32) + 1)
+        elif r == 1:
+            comm.barrier()
+            comm.send(cp.arange(5000, dtype=cp.float32) + 1, dst=0)
+        else:
+            comm.barrier()
+    print("BAD", bad)
+""")
+
+
+@pytest.mark.parametrize("caller", ["non-blocking", "per-thread"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_stream_order_with_the_callers_stream(n, caller, backend):
+    name, env = backend
+    env = dict(env, CALLER=caller, CUPY_CUDA_PER_THREAD_DEFAULT_STREAM="1" if caller == "per-thread" else "0")
+    for code, out, err in spawn_job(STREAMS, n, env=env, timeout=240):
+        assert code == 0, err
+        assert "BAD []" in out, out
+
+
+def train(strategy, device, tmp_path, extra=(), env=None):
     path = tmp_path / f"{strategy}-{device}.npz"
     cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", device, "-m", "ringcomm.train",
            "--strategy", strategy, "--steps", "5", "--batch-size", "64", "--samples", "512",
            "--layers", "32,64,48,10", "--save", str(path), *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, **(env or {})))
     assert result.returncode == 0, result.stderr[-3000:]
     return np.load(path)
 
 
-@pytest.mark.parametrize("strategy,extra", [("dp", ()), ("ddp", ()), ("zero1", ()), ("zero2", ()),
-                                            ("zero3", ()), ("zero2", ("--offload",))])
-def test_training_on_gpu_matches_cpu(strategy, extra, tmp_path):
-    gpu = train(strategy, "gpu", tmp_path, extra)
+@pytest.mark.parametrize("strategy,extra", [
+    ("dp", ()), ("ddp", ()), ("zero1", ()), ("zero2", ()), ("zero3", ()),
+    ("zero2", ("--offload",)), ("zero2", ("--offload", "--precision", "fp16")),
+    ("zero3", ("--precision", "fp16")), ("ddp", ("--tp", "2")), ("ddp", ("--pp", "2"))])
+def test_training_on_gpu_matches_cpu(strategy, extra, tmp_path, backend):
+    name, env = backend
+    reports = tmp_path / "standin"
+    if name == "standin":
+        reports.mkdir()
+        env = dict(env, CUPY_STANDIN_REPORT=str(reports))
+    gpu = train(strategy, "gpu", tmp_path, extra, env)
     cpu = train(strategy, "cpu", tmp_path, extra)
-    for name in cpu.files:
-        assert np.allclose(gpu[name], cpu[name], rtol=1e-4, atol=1e-6), name
+    for key in cpu.files:
+        assert np.allclose(gpu[key], cpu[key], rtol=1e-4, atol=1e-6), key
+    if name == "standin":  # each rank trained on its own device, with the reduce kernels
+        done = [json.loads(p.read_text()) for p in reports.glob("*.json")]
+        ranks = [d for d in done if d.get("kernels")]
+        assert len(ranks) == 2, done
+        devices = sorted(k for d in ranks for k in d if k.startswith("on device"))
+        assert devices == ["on device 0", "on device 1"], devices
+        for d in ranks:
+            assert d["operations"] > 100 and d["device_peak_bytes"] > 4 * 32 * 64, d

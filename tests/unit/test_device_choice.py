@@ -7,9 +7,17 @@ class _Cupy:
     """Just enough of CuPy for device.select: a device count and a kernel that may fail."""
 
     def __init__(self, devices, compiles):
+        import contextlib
         import types
         self.float32 = np.float32
-        self.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: devices))
+        self.used = []  # the devices the probe ran on
+
+        @contextlib.contextmanager
+        def device(index):
+            self.used.append(index)
+            yield
+        self.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: devices),
+                                          Device=device)
         self._compiles = compiles
 
     def zeros(self, n, dtype):
@@ -45,5 +53,8 @@ def test_auto_takes_the_gpu_only_if_a_kernel_runs_there(monkeypatch, caplog, dev
 def test_auto_takes_a_gpu_that_runs_the_probe(monkeypatch):
     import sys
     from ringcomm import device
-    monkeypatch.setitem(sys.modules, "cupy", _Cupy(1, True))
+    cupy = _Cupy(3, True)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
     assert device.gpu_usable() == (True, "")
+    assert device.gpu_usable(local_rank=4) == (True, "")
+    assert cupy.used == [0, 1]  # the probe runs on the rank's own device (4 % 3), not device 0

@@ -702,81 +702,22 @@ def test_dispatch_rejects_a_mix_of_array_kinds():
 # arrays must then equal the references bit for bit -- which catches a swapped, missing or
 # wrongly rounded argument that a type check would not. (tests/gpu checks the real kernels.)
 
+def _standin_kernels():
+    """The numpy models of the kernels, from the CuPy stand-in (loaded by path: importing the
+    stand-in's package would put a ``cupy`` module in this process)."""
+    path = Path(__file__).resolve().parents[1] / "standin" / "cupy" / "_kernels.py"
+    spec = importlib.util.spec_from_file_location("standin_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+STANDIN_KERNELS = _standin_kernels()
+
+
 def model_launch(name, grid, block, args):
     """What kernel ``name`` computes, per its source, in numpy."""
-    a = [x.data if isinstance(x, FakeArray) else x for x in args]
-    f32 = np.float32
-    with np.errstate(all="ignore"):
-        if name.startswith("reduce_"):
-            acc, inc, n = a
-            op = name.split("_")[1]
-            if op in ("max", "min"):
-                keep = acc > inc if op == "max" else acc < inc
-                if acc.dtype.kind == "f":
-                    keep |= np.isnan(acc)
-                if acc.dtype == np.float16:
-                    keep |= acc == inc
-                acc[...] = np.where(keep, acc, inc)
-            else:
-                f = np.add if op == "sum" else np.multiply
-                if acc.dtype.kind == "i":
-                    u = acc.dtype.str.replace("i", "u")
-                    acc[...] = f(acc.view(u), inc.view(u)).view(acc.dtype)
-                else:
-                    c = f32 if acc.dtype == np.float16 else acc.dtype.type
-                    acc[...] = f(acc.astype(c), inc.astype(c)).astype(acc.dtype)
-        elif name.startswith(("scale_", "divide_")):
-            x, factor, n = a
-            c = f32 if x.dtype == np.float16 else x.dtype.type
-            assert type(factor) is c
-            f = np.multiply if name.startswith("scale_") else np.true_divide
-            x[...] = f(x.astype(c), factor).astype(x.dtype)
-        elif name.startswith("adam_unscale_check_"):
-            grad, loss_scale, flag, n = a
-            flag[0] |= int(not np.isfinite(grad.astype(f32) / loss_scale).all())
-        elif name.startswith("adam_step_"):
-            (master, grad, m, v, out, write_out, skip, loss_scale, clip_coef, wd, use_wd,
-             b1, omb1, b2, omb2, step_size, bc2_sqrt, eps, n) = a
-            if skip[0]:
-                return
-            g = grad.astype(f32) / loss_scale * clip_coef
-            p = master.copy()
-            if use_wd:
-                g = g + wd * p
-            mi = m * b1 + omb1 * g
-            vi = v * b2 + (omb2 * g) * g
-            p = p - step_size * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
-            m[...], v[...], master[...] = mi, vi, p
-            if write_out:
-                out[...] = p.astype(np.float16)
-        elif name == "cast_f32_to_f16":
-            src, dst, factor, n = a
-            dst[...] = (src * factor).astype(np.float16)
-        elif name == "cast_f16_to_f32":
-            src, dst, factor, n = a
-            dst[...] = src.astype(f32) * factor
-        elif name == "unscale_f16_to_f32":
-            src, dst, loss_scale, flag, n = a
-            dst[...] = src.astype(f32) / loss_scale
-            flag[0] |= int(not np.isfinite(dst).all())
-        elif name == "unscale_f32":
-            x, loss_scale, flag, n = a
-            x[...] = x / loss_scale
-            flag[0] |= int(not np.isfinite(x).all())
-        elif name.startswith("find_nonfinite_"):
-            x, flag, n = a
-            flag[0] |= int(not np.isfinite(x).all())
-        elif name.startswith("sq_norm_partial_"):
-            x, divisor, partial, n = a
-            assert partial.size == grid[0]
-            c = np.float64 if x.dtype == np.float64 else f32
-            assert type(divisor) is c
-            u = (x.astype(c) / divisor).astype(partial.dtype)
-            which = (np.arange(x.size) // block[0]) % grid[0]
-            partial[...] = np.bincount(which, weights=(u * u).astype(np.float64), minlength=grid[0])
-        else:
-            raise AssertionError(f"no model for {name}")
-    assert n == a[0].size, f"{name}: n={n} for {a[0].size} elements"
+    STANDIN_KERNELS.model(name, grid, block, [x.data if isinstance(x, FakeArray) else x for x in args])
 
 
 class FakeArray:

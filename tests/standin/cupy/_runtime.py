@@ -1,0 +1,265 @@
+"""The stand-in's GPU: devices, streams, events, and host memory CUDA knows as pinned.
+
+Work launched on a stream (a kernel, an element-wise operation, a copy) is **deferred**: it
+is queued on the stream and carried out only when something forces it, in stream order:
+
+- ``stream.synchronize()``, ``event.synchronize()``, ``Device.synchronize()``: the host waits;
+- an operation queued on stream B after ``B.wait_event(e)`` first completes e's stream up to
+  the point where ``e`` was recorded;
+- ``query()`` of an event or a stream: answers whether the work had run, then lets it run
+  (a GPU left alone gets there eventually; a poller sees "not yet" first);
+- on the legacy null stream (the default unless ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``)
+  CUDA's implicit order: null-stream work follows earlier work of every *blocking* stream of
+  its device, and a blocking stream's work follows earlier null-stream work. Streams made
+  with ``non_blocking=True`` and per-thread default streams have no implicit order at all.
+
+So a reader that does not wait for a writer on another stream reads what was there before
+(fresh device memory holds a poison pattern: NaN or -1), exactly the bug a GPU shows only
+sometimes. The current device and each device's current stream are per thread, as in CUDA.
+"""
+import collections
+import os
+import threading
+import weakref
+
+LOCK = threading.RLock()  # deferred work runs under it, on whichever thread forces it
+PER_THREAD_DEFAULT = os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0") == "1"
+DEVICE_COUNT = int(os.environ.get("CUPY_STANDIN_DEVICES", "4"))
+_local = threading.local()
+_streams = weakref.WeakSet()
+counts = collections.Counter()  # "operations" queued, "kernels" launched, by what
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def current_device():
+    return getattr(_local, "device", 0)
+
+
+def set_device(index):
+    if not 0 <= index < DEVICE_COUNT:
+        raise CUDARuntimeError(f"cudaErrorInvalidDevice: device {index} of {DEVICE_COUNT}")
+    _local.device = index
+
+
+class Stream:
+    """A CUDA stream of the device current when it is made; see the module docstring."""
+
+    def __init__(self, null=False, non_blocking=False, ptds=False, device=None):
+        self.device_id = current_device() if device is None else device
+        self.null, self.non_blocking, self.ptds = null, non_blocking, ptds
+        self.ptr = 0 if null else id(self)
+        self._queue = collections.deque()  # (position, fn) not yet carried out
+        self._count = 0   # operations queued so far
+        self._done = 0    # operations carried out so far
+        _streams.add(self)
+
+    def __repr__(self):
+        kind = "null" if self.null else "per-thread default" if self.ptds else \
+            "non-blocking" if self.non_blocking else "blocking"
+        return f"<standin {kind} stream on device {self.device_id}>"
+
+    @property
+    def _blocking(self):
+        return not (self.null or self.non_blocking or self.ptds)
+
+    def launch(self, fn, what="work"):
+        """Queue ``fn`` on this stream (it must be this thread's device's stream)."""
+        if self.device_id != current_device():
+            raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: {what} on a stream of device "
+                                   f"{self.device_id} while device {current_device()} is current")
+        with LOCK:
+            if self.null and not PER_THREAD_DEFAULT:
+                for other in list(_streams):
+                    if other._blocking and other.device_id == self.device_id and other._count > other._done:
+                        self._append(_until(other, other._count))
+            elif self._blocking:
+                null = null_stream(self.device_id)
+                if null._count > null._done:
+                    self._append(_until(null, null._count))
+            self._append(fn)
+            counts["operations"] += 1
+            counts[f"on device {self.device_id}"] += 1
+
+    def _append(self, fn):
+        self._queue.append((self._count, fn))
+        self._count += 1
+
+    def run_until(self, position):
+        with LOCK:
+            while self._done < position:
+                _, fn = self._queue.popleft()
+                fn()
+                self._done += 1
+
+    def synchronize(self):
+        self.run_until(self._count)
+
+    def query(self):
+        done = self._done >= self._count
+        self.synchronize()
+        return done
+
+    @property
+    def done(self):
+        return self.query()
+
+    def record(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event):
+        if event._stream is not None:
+            self.launch(_until(event._stream, event._position), "wait_event")
+
+    def use(self):
+        _current_streams()[self.device_id] = self
+        return self
+
+    def __enter__(self):
+        streams = _current_streams()
+        self._previous = getattr(self, "_previous", [])
+        self._previous.append(streams.get(self.device_id))
+        streams[self.device_id] = self
+        return self
+
+    def __exit__(self, *exc):
+        streams = _current_streams()
+        previous = self._previous.pop()
+        if previous is None:
+            streams.pop(self.device_id, None)
+        else:
+            streams[self.device_id] = previous
+
+
+def _until(stream, position):
+    return lambda: stream.run_until(position)
+
+
+_null = {}
+
+
+def null_stream(device_id):
+    with LOCK:
+        if device_id not in _null:
+            _null[device_id] = Stream(null=True, device=device_id)
+        return _null[device_id]
+
+
+def _current_streams():
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    return streams
+
+
+def current_stream():
+    device = current_device()
+    stream = _current_streams().get(device)
+    if stream is not None:
+        return stream
+    if PER_THREAD_DEFAULT:
+        defaults = getattr(_local, "defaults", None)
+        if defaults is None:
+            defaults = _local.defaults = {}
+        if device not in defaults:
+            defaults[device] = Stream(ptds=True, device=device)
+        return defaults[device]
+    return null_stream(device)
+
+
+class Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self._stream, self._position = None, 0
+        self._queried = False
+
+    def record(self, stream=None):
+        stream = stream or current_stream()
+        self._stream, self._position = stream, stream._count
+        self._queried = False
+
+    def synchronize(self):
+        if self._stream is not None:
+            self._stream.run_until(self._position)
+
+    def query(self):
+        if self._stream is None:
+            return True
+        done = self._stream._done >= self._position
+        self.synchronize()
+        return done
+
+    @property
+    def done(self):
+        return self.query()
+
+
+def synchronize_device(device_id=None):
+    device_id = current_device() if device_id is None else device_id
+    with LOCK:
+        for stream in list(_streams):
+            if stream.device_id == device_id:
+                stream.synchronize()
+
+
+# -- host memory CUDA knows about --------------------------------------------------------------
+
+_pinned = {}  # start address -> (end address, what: "allocated" or "registered")
+pinned_bytes = {"allocated": 0, "registered": 0}
+
+
+def _address(host):
+    return host.__array_interface__["data"][0]
+
+
+def pin(host, kind="allocated"):
+    start = _address(host)
+    with LOCK:
+        _pinned[start] = (start + host.nbytes, kind)
+        pinned_bytes[kind] += host.nbytes
+    if kind == "allocated":
+        weakref.finalize(host, unpin, start)
+
+
+def unpin(start):
+    with LOCK:
+        entry = _pinned.pop(start, None)
+        if entry is None:
+            raise CUDARuntimeError("cudaErrorHostMemoryNotRegistered")
+        pinned_bytes[entry[1]] -= entry[0] - start
+
+
+def is_pinned(host):
+    start, end = _address(host), _address(host) + host.nbytes
+    with LOCK:
+        return any(s <= start and end <= e for s, (e, _) in _pinned.items())
+
+
+def register(ptr, size):
+    """cudaHostRegister of ``size`` bytes at ``ptr``."""
+    with LOCK:
+        if any(s < ptr + size and ptr < e for s, (e, _) in _pinned.items()):
+            raise CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        _pinned[ptr] = (ptr + size, "registered")
+        pinned_bytes["registered"] += size
+
+
+def report(path):
+    """Write what this process did on the stand-in's GPU to ``path`` (JSON), at exit."""
+    import atexit
+    import json
+
+    from ._array import allocated
+
+    def write():
+        with open(path, "w") as f:
+            json.dump({**counts, "device_peak_bytes": allocated["peak"],
+                       "pinned_bytes": dict(pinned_bytes)}, f)
+    atexit.register(write)
+
+
+if os.environ.get("CUPY_STANDIN_REPORT"):
+    report(os.path.join(os.environ["CUPY_STANDIN_REPORT"], f"{os.getpid()}.json"))

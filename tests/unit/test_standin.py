@@ -1,0 +1,86 @@
+"""The CuPy stand-in (tests/standin) enforces the rules it exists for: a test of the GPU
+path that passes on it must not pass by the stand-in's leniency. Run in a fresh process with
+the stand-in first on the path, so this process never imports a ``cupy``."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+STANDIN = Path(__file__).resolve().parents[1] / "standin"
+
+CHECKS = textwrap.dedent("""
+    import json, threading, numpy as np, cupy as cp, cupyx
+    seen = {}
+
+    def raises(fn):
+        try:
+            fn()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            return type(exc).__name__
+        return None
+
+    a = cp.arange(4, dtype=cp.float32)
+    seen["own type"] = not isinstance(a, np.ndarray)
+    seen["mix refused"] = raises(lambda: a + np.ones(4, np.float32))
+    seen["implicit conversion refused"] = raises(lambda: np.asarray(a))
+    seen["copyto refused"] = raises(lambda: np.copyto(np.empty(4, np.float32), a))
+    cp.cuda.Device().synchronize()
+
+    other = cp.cuda.Stream(non_blocking=True)
+    b = a * 10                                  # on the null stream, not yet run
+    seen["stale without a wait"] = cp.asnumpy(b, stream=other).tolist()
+    c = a * 100
+    e = cp.cuda.get_current_stream().record()
+    other.wait_event(e)
+    seen["after wait_event"] = cp.asnumpy(c, stream=other).tolist()
+
+    host = cupyx.empty_pinned(4, np.float32)
+    host[...] = 7
+    d = cp.empty(4, cp.float32)
+    d.set(host, stream=other)                   # from pinned memory: read when the stream runs
+    host[...] = 8
+    seen["pinned source read late"] = cp.asnumpy(d, stream=other).tolist()
+    seen["pinned bytes"] = cp.pinned_bytes()["allocated"]
+
+    out = cupyx.empty_pinned(4, np.float32)
+    out[...] = -1
+    f = a + 1
+    f.get(stream=other, out=out, blocking=False)
+    seen["async copy not there before sync"] = out.tolist()
+    other.synchronize()
+
+    with cp.cuda.Device(1):
+        g = cp.zeros(4, cp.float32)
+    seen["other device refused"] = raises(lambda: g + 1)
+    seen["device per thread"] = []
+    t = threading.Thread(target=lambda: seen["device per thread"].append(cp.cuda.Device().id))
+    with cp.cuda.Device(2):
+        t.start(); t.join()
+    seen["view shares memory"] = a[1:3].data.ptr == a.data.ptr + 4
+    print(json.dumps(seen))
+""")
+
+
+def test_the_standin_defers_refuses_and_tracks():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]),
+               CUPY_CUDA_PER_THREAD_DEFAULT_STREAM="0")
+    proc = subprocess.run([sys.executable, "-c", CHECKS], capture_output=True, text=True, env=env, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["own type"]
+    assert seen["mix refused"] == "TypeError"
+    assert seen["implicit conversion refused"] == "TypeError"
+    assert seen["copyto refused"] == "TypeError"
+    assert all(v != v for v in seen["stale without a wait"])  # NaN: fresh memory's poison
+    assert seen["after wait_event"] == [0.0, 100.0, 200.0, 300.0]
+    assert seen["pinned source read late"] == [8.0] * 4
+    assert seen["pinned bytes"] == 16
+    assert seen["async copy not there before sync"] == [-1.0] * 4
+    assert seen["other device refused"] == "ValueError"
+    assert seen["device per thread"] == [0]  # a new thread starts on device 0, as in CUDA
+    assert seen["view shares memory"]
