@@ -4,13 +4,20 @@ Run on a machine with a CUDA GPU and CuPy (for example the lent H200 machine, wh
 has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). Steps:
 
 1. environment: CuPy version, devices, whether the kernels compile (``ringcomm.kernels``);
-2. ``pytest tests/gpu`` (kernels against their numpy references, collectives on CuPy arrays);
-3. collectives on the GPU: ring vs parameter-server all-reduce of CuPy arrays on 4 workers
-   sharing the GPU(s), checked against the closed form, timed (median of 5);
-4. one short training run per strategy with ``--device gpu`` (dp, ddp, zero1, zero2, zero3,
+2. the subnormal probe: every fp32 kernel on subnormal operands (sums, products, max/min
+   ties against zero, the avg division, unscale, the fp64 norm), bit for bit with numpy;
+3. ``pytest tests/gpu`` on the real CuPy, in four steps: the kernels against their numpy
+   references; every collective on CuPy arrays at N = 2 and 4 against numpy; the stream
+   order probes (the caller on a non-blocking stream, and with per-thread default streams);
+   three kinds of training (ddp, zero1-3, zero2 offload in fp32 and fp16, fp16, tp, pp)
+   against the same run on the CPU;
+4. collectives on the GPU: ring vs parameter-server all-reduce at 4 and 64 MiB on 4 workers
+   sharing the GPU(s), of CuPy arrays (staged through pinned memory) and of numpy arrays
+   (the CPU path) in the same job, checked against the closed form, timed (median of 5);
+5. one short training run per strategy with ``--device gpu`` (dp, ddp, zero1, zero2, zero3,
    zero2 + offload) in fp16, and the GPT on cp2, tp2 + sp (zero3) and pp2 (zero1, recompute),
    each checked to finish;
-5. the PyTorch backend with CUDA tensors (``import ringcomm.torch`` on 2 workers sharing the
+6. the PyTorch backend with CUDA tensors (``import ringcomm.torch`` on 2 workers sharing the
    GPU): all-reduce of float32 and bfloat16 tensors, an all-gather into one tensor, and 5 DDP
    steps of a small model, each checked against its closed form or a one-process run.
 
@@ -40,15 +47,17 @@ comm = ringcomm.init(device="gpu")
 n, r, rows = comm.world_size, comm.rank, []
 for size in (1 << 22, 1 << 26):
     for algo in ("ring", "ps"):
-        x = cp.full(size // 4, r + 1, cp.float32)
-        times, wrong = [], 0
-        for i in range(6):
-            x.fill(r + 1); cp.cuda.get_current_stream().synchronize(); comm.barrier()
-            t = time.perf_counter(); comm.all_reduce(x, algorithm=algo); cp.cuda.get_current_stream().synchronize()
-            times.append(time.perf_counter() - t)
-            wrong += int((x != n * (n + 1) / 2).sum())
-        med = statistics.median(times[1:])
-        rows.append({"bytes": size, "algorithm": algo, "time_s": med, "busbw_GBps": size / med * 2 * (n - 1) / n / 1e9, "wrong": wrong})
+        for xp in (cp, np):  # alternated: device arrays (staged), then host arrays
+            x = xp.full(size // 4, r + 1, xp.float32)
+            times, wrong = [], 0
+            for i in range(6):
+                x.fill(r + 1); cp.cuda.get_current_stream().synchronize(); comm.barrier()
+                t = time.perf_counter(); comm.all_reduce(x, algorithm=algo); cp.cuda.get_current_stream().synchronize()
+                times.append(time.perf_counter() - t)
+                wrong += int((x != n * (n + 1) / 2).sum())
+            med = statistics.median(times[1:])
+            rows.append({"bytes": size, "algorithm": algo, "arrays": "gpu" if xp is cp else "cpu", "time_s": med,
+                         "busbw_GBps": size / med * 2 * (n - 1) / n / 1e9, "wrong": wrong})
 if r == 0:
     print("GPUBENCH " + json.dumps({"world_size": n, "device": comm.device, "rows": rows}))
 '''
@@ -86,6 +95,37 @@ if r == 0:
 dist.destroy_process_group()
 '''
 
+SUBNORMAL = r'''
+import json, cupy as cp, numpy as np
+from ringcomm import kernels
+ref = kernels.reference
+tiny = np.float32(2.0 ** -149)  # the smallest fp32 subnormal
+rng = np.random.default_rng(0)
+a = (rng.integers(-2 ** 20, 2 ** 20, 4096) * tiny).astype(np.float32)  # all subnormal or zero
+b = (rng.integers(-2 ** 20, 2 ** 20, 4096) * tiny).astype(np.float32)
+b[::7] = 0.0; a[::11] = -0.0
+big = np.float32(1.5) * np.ones(4096, np.float32)
+checks = {}
+def same(name, got, want):
+    checks[name] = bool(np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)))
+for op in ("sum", "max", "min"):
+    acc = cp.asarray(a); kernels.reduce(op, acc, cp.asarray(b))
+    same(f"reduce {op}", acc.get(), ref.reduce(op, a.copy(), b))
+acc = cp.asarray(a); kernels.reduce("prod", acc, cp.asarray(big))
+same("reduce prod", acc.get(), ref.reduce("prod", a.copy(), big))
+acc = cp.asarray(a); kernels.finalize("avg", acc, 3)
+same("avg divide", acc.get(), ref.finalize("avg", a.copy(), 3))
+dst = cp.empty(4096, cp.float32); kernels.unscale(cp.asarray(a), dst, 2.0)
+want = np.empty(4096, np.float32); ref.unscale(a, want, 2.0)
+same("unscale", dst.get(), want)
+checks["norm f32->f64"] = bool(kernels.sq_norm_partial(cp.asarray(a), 1.0, 4).get().sum() == ref.sq_norm_partial(a, 1.0, 4, kernels.THREADS).sum())
+print("SUBNORMAL " + json.dumps(checks))
+'''
+PYTESTS = [  # (step, what to select in tests/gpu): the real CuPy only, never the stand-in
+    ("kernel tests", ["tests/gpu/test_kernels_gpu.py"]),
+    ("collectives tests", ["tests/gpu/test_collectives_gpu.py", "-k", "cuda and collectives_on"]),
+    ("stream order probes", ["tests/gpu/test_collectives_gpu.py", "-k", "cuda and stream_order"]),
+    ("training vs cpu", ["tests/gpu/test_collectives_gpu.py", "-k", "cuda and training"])]
 
 MIN_STEP_S = 10.0  # a step with less time than this left is not started
 
@@ -144,7 +184,8 @@ def main(argv=None):
     steps = Steps(path, args.budget)
     report = steps.report
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    names = ["gpu tests", "collectives", *(s + "".join(e) for s, e in STRATEGIES), "torch backend"]
+    names = ["subnormal probe", *(name for name, _ in PYTESTS), "collectives",
+             *(s + "".join(e) for s, e in STRATEGIES), "torch backend"]
 
     try:
         import cupy
@@ -163,12 +204,24 @@ def main(argv=None):
     print("environment:", report["environment"], flush=True)
     steps.save()
 
-    result = steps.run("gpu tests", [sys.executable, "-m", "pytest", "-q", "tests/gpu"], 240, env)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(SUBNORMAL)
+    result = steps.run("subnormal probe", [sys.executable, f.name], 60, env)
     if result is not None:
-        report["gpu_tests"] = {"returncode": result.returncode, "seconds": result.seconds,
-                               "tail": result.stdout[-1500:]}
+        report["subnormal_probe"] = found = marked(result, "SUBNORMAL ")
+        report["ok"] &= "error" not in found and all(found.values())
+        print("subnormal probe:", json.dumps(found), flush=True)
+        steps.save()
+
+    report["gpu_tests"] = {}
+    for name, selection in PYTESTS:
+        result = steps.run(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *selection], 150, env)
+        if result is None:
+            continue
+        report["gpu_tests"][name] = {"returncode": result.returncode, "seconds": result.seconds,
+                                     "tail": result.stdout[-1500:]}
         report["ok"] &= result.returncode == 0
-        print("gpu tests:", result.stdout.strip().splitlines()[-1:] or result.stderr[-500:], flush=True)
+        print(f"{name}:", result.stdout.strip().splitlines()[-1:] or result.stderr[-500:], flush=True)
         steps.save()
 
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
