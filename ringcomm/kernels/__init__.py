@@ -8,10 +8,11 @@ kernel does:
 - ``adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
   param_out=None, clip_coef=1.0, skip_if_nonfinite=True) -> found_inf``,
   ``grad_overflow(grad, loss_scale)`` -- ``adam.cu``;
-- ``scale_cast(src, dst, scale=1.0)``, ``unscale(src, dst, loss_scale) -> found_inf``,
-  ``found_nonfinite(x)`` -- ``cast.cu``;
+- ``scale_cast(src, dst, scale=1.0)``, ``unscale(src, dst, loss_scale, found=None) ->
+  found_inf``, ``found_nonfinite(x, found=None)`` -- ``cast.cu`` (``found``: a device flag
+  the kernel ORs into, so the answer stays on the GPU);
 - ``sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=float64)``,
-  ``sq_norm(x, loss_scale=1.0) -> float`` -- ``norm.cu``.
+  ``sq_norm(x, loss_scale=1.0, on_device=False) -> float`` -- ``norm.cu``.
 
 numpy arrays go to the references (:mod:`.reference`, what the CPU path computes);
 CuPy arrays go to the kernels, compiled once per process and device with
@@ -327,40 +328,56 @@ def scale_cast(src, dst, scale=1.0):
     return dst
 
 
-def unscale(src, dst, loss_scale):
+def _flag_result(cp, found, given):
+    """The kernel's inf/NaN flag: with ``given`` (a device int32 array of one element, ORed
+    into and left on the device) None and no synchronisation; else a bool (one sync)."""
+    return None if given is not None else bool(int(found.get()[0]))
+
+
+def unscale(src, dst, loss_scale, found=None):
     """``dst[...] = fp32(src) / loss_scale`` (``src`` fp16, or fp32 and the same array as
-    ``dst``); returns True if some result is inf or NaN."""
+    ``dst``); returns True if some result is inf or NaN. On CuPy arrays with ``found`` (an
+    int32 device array of one element) the flag is ORed into it instead and None returned:
+    nothing waits for the GPU."""
     if not _on_gpu(src, dst):
-        return reference.unscale(src, dst, loss_scale)
+        flag = reference.unscale(src, dst, loss_scale)
+        if found is None:
+            return flag
+        found[0] |= int(flag)
+        return None
     cp = _cupy()
     _need_dtype(dst, "dst", "float32")
     _same_size(src=src, dst=dst)
-    found = _flag(cp)
+    flag = _flag(cp) if found is None else found
     d = _flat(dst, "dst")
     if src.dtype == np.float16:
         _launch("cast", "unscale_f16_to_f32", d.size,
-                (_flat(src, "src"), d, np.float32(float(loss_scale)), found, np.int64(d.size)))
+                (_flat(src, "src"), d, np.float32(float(loss_scale)), flag, np.int64(d.size)))
     elif src.dtype == np.float32:
         if src is not dst:
             dst[...] = src
         _launch("cast", "unscale_f32", d.size,
-                (d, np.float32(float(loss_scale)), found, np.int64(d.size)))
+                (d, np.float32(float(loss_scale)), flag, np.int64(d.size)))
     else:
         raise TypeError(f"unscale takes a float16 or float32 source, not {src.dtype.name}")
-    return bool(int(found.get()[0]))
+    return _flag_result(cp, flag, found)
 
 
-def found_nonfinite(x):
-    """True if ``x`` holds an inf or NaN."""
+def found_nonfinite(x, found=None):
+    """True if ``x`` holds an inf or NaN (``found``: as for :func:`unscale`)."""
     if not _on_gpu(x):
-        return reference.found_nonfinite(x)
+        flag = reference.found_nonfinite(x)
+        if found is None:
+            return flag
+        found[0] |= int(flag)
+        return None
     cp = _cupy()
     _need_dtype(x, "x", "float16", "float32", "float64")
-    found = _flag(cp)
+    flag = _flag(cp) if found is None else found
     flat = _flat(x, "x")
     _launch("cast", f"find_nonfinite_{_SUFFIX[x.dtype.name]}", flat.size,
-            (flat, found, np.int64(flat.size)))
-    return bool(int(found.get()[0]))
+            (flat, flag, np.int64(flat.size)))
+    return _flag_result(cp, flag, found)
 
 
 # -- norm.cu ------------------------------------------------------------------------------------
@@ -387,11 +404,13 @@ def sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=np.float64):
     return partial
 
 
-def sq_norm(x, loss_scale=1.0):
-    """Squared L2 norm of ``x / loss_scale`` as a Python float (fp64 accumulation)."""
+def sq_norm(x, loss_scale=1.0, on_device=False):
+    """Squared L2 norm of ``x / loss_scale`` as a Python float (fp64 accumulation); with
+    ``on_device`` on CuPy arrays a 0-d fp64 device array instead (nothing waits)."""
     if not _on_gpu(x):
         return reference.sq_norm(x, loss_scale)
-    return float(sq_norm_partial(x, loss_scale).sum(dtype=np.float64).get())
+    total = sq_norm_partial(x, loss_scale).sum(dtype=np.float64)
+    return total if on_device else float(total.get())
 
 
 __all__ = ["COMPILE_OPTIONS", "ENTRY_POINTS", "NO_CUDA_FP16", "SOURCES", "THREADS", "adam_step",

@@ -68,16 +68,7 @@ class Strategy:
             grad = to_host(grad)  # offload: the optimizer step runs on the host; fp16 crosses as fp16
         flags = np.array([0.0, 0.0, loss_share])
         if grad is not None:
-            # from here a fresh fp32 array (clipping scales it in place): fp16 is cast,
-            # unscaled and checked for inf/NaN in one pass (one kernel on a GPU)
-            if self.mixed:
-                grad, fp16 = array_module(grad).empty(grad.size, np.float32), grad
-                flags[0] = kernels.unscale(fp16, grad, self.scaler.scale)
-            else:
-                grad = grad.astype(np.float32)
-                flags[0] = kernels.found_nonfinite(grad)
-            if self.cfg.clip_grad_norm and not flags[0]:
-                flags[1] = self._squared_norm(grad)
+            grad = self._checked_fp32(grad, flags)
         self.meta.all_reduce(flags)  # overflow anywhere, squared norm of every piece once, loss
         skipped = self.scaler.update(flags[0] > 0)
         if not skipped and grad is not None:
@@ -90,12 +81,43 @@ class Strategy:
         self.publish(skipped)
         return float(flags[2]), skipped
 
-    def _squared_norm(self, grad):
+    def _checked_fp32(self, grad, flags):
+        """A fresh fp32 copy of ``grad`` (clipping scales it in place), with ``flags[0]`` set
+        when it holds inf/NaN and ``flags[1]`` to this rank's share of the squared norm when
+        clipping: fp16 is cast, unscaled and checked in one pass (one kernel on a GPU). On a
+        GPU the flag and the norm stay on the device until one copy brings both to the host
+        for the step's one decision."""
+        xp = array_module(grad)
+        if xp is np:
+            if self.mixed:
+                grad, fp16 = np.empty(grad.size, np.float32), grad
+                flags[0] = kernels.unscale(fp16, grad, self.scaler.scale)
+            else:
+                grad = grad.astype(np.float32)
+                flags[0] = kernels.found_nonfinite(grad)
+            if self.cfg.clip_grad_norm and not flags[0]:
+                flags[1] = self._squared_norm(grad)
+            return grad
+        found = xp.zeros(1, np.int32)
+        if self.mixed:
+            grad, fp16 = xp.empty(grad.size, np.float32), grad
+            kernels.unscale(fp16, grad, self.scaler.scale, found=found)
+        else:
+            grad = grad.astype(np.float32)
+            kernels.found_nonfinite(grad, found=found)
+        decision = xp.zeros(2, np.float64)
+        decision[0] = found[0]
+        if self.cfg.clip_grad_norm:  # the norm of an overflowed gradient is not used: 0
+            decision[1] = xp.where(found[0] == 0, self._squared_norm(grad, on_device=True), 0.0)
+        flags[:2] = xp.asnumpy(decision)
+        return grad
+
+    def _squared_norm(self, grad, on_device=False):
         """This rank's share of the squared global gradient norm: every piece counted once."""
         xp = array_module(grad)
         if getattr(self, "_weight", None) is None or array_module(self._weight) is not xp:
             self._weight = xp.asarray(self.owned_weight())
-        return kernels.sq_norm(grad * self._weight)  # a weight is 0 or 1: the product is exact
+        return kernels.sq_norm(grad * self._weight, on_device=on_device)  # a weight is 0 or 1: exact
 
     def owned_weight(self):
         """1 where an element of :meth:`owned_grad` counts in the global norm, else 0."""

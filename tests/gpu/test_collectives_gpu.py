@@ -168,7 +168,8 @@ def train(strategy, device, tmp_path, extra=(), env=None):
 @pytest.mark.parametrize("strategy,extra", [
     ("dp", ()), ("ddp", ()), ("zero1", ()), ("zero2", ()), ("zero3", ()),
     ("zero2", ("--offload",)), ("zero2", ("--offload", "--precision", "fp16")),
-    ("zero3", ("--precision", "fp16")), ("ddp", ("--tp", "2")), ("ddp", ("--pp", "2"))])
+    ("zero3", ("--precision", "fp16")), ("ddp", ("--tp", "2")), ("ddp", ("--pp", "2")),
+    ("zero2", ("--precision", "fp16", "--clip-grad-norm", "0.5")), ("ddp", ("--clip-grad-norm", "0.5"))])
 def test_training_on_gpu_matches_cpu(strategy, extra, tmp_path, backend):
     name, env = backend
     reports = tmp_path / "standin"

@@ -62,6 +62,11 @@ CHECKS = textwrap.dedent("""
     with cp.cuda.Device(2):
         t.start(); t.join()
     seen["view shares memory"] = a[1:3].data.ptr == a.data.ptr + 4
+    z = cp.zeros(1, cp.int32)
+    z += 5                                       # deferred
+    w = cp.zeros(2, cp.float64)
+    w[0] = z[0]                                  # an element is a 0-d view, read in stream order
+    seen["element in stream order"] = float(w[0])
     print(json.dumps(seen))
 """)
 
@@ -84,3 +89,4 @@ def test_the_standin_defers_refuses_and_tracks():
     assert seen["other device refused"] == "ValueError"
     assert seen["device per thread"] == [0]  # a new thread starts on device 0, as in CUDA
     assert seen["view shares memory"]
+    assert seen["element in stream order"] == 5.0

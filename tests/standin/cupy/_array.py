@@ -144,7 +144,12 @@ class ndarray:
 
     def __getitem__(self, key):
         if _is_basic(key):
-            return ndarray._wrap(self._a[key], self._buffer)
+            view = self._a[key]
+            if not isinstance(view, np.ndarray):  # one element: a 0-d view, as CuPy gives
+                keys = key if isinstance(key, tuple) else (key,)
+                view = self._a[tuple(slice(k, k + 1 or None) if isinstance(k, (int, np.integer)) else k
+                                     for k in keys)].reshape(())
+            return ndarray._wrap(view, self._buffer)
         return apply(lambda a, k: a[k], (self, key), {}, "getitem",
                      data_dependent=_has_bool_mask(key))
 
