@@ -195,18 +195,24 @@ class CudaDevice(StagedDevice):
         self.cupy.cuda.Device(self.index).use()  # the communication thread too
 
     def ready(self):
-        return self.cupy.cuda.get_current_stream().record()
+        # the submitting thread's stream *of this device*: a thread that never made the
+        # device current (a torch completer, a user's thread) still orders the right stream
+        return self.cupy.cuda.get_current_stream(self.index).record(self._event())
 
     @contextlib.contextmanager
     def running(self, ready):
-        self.activate()
-        with self.stream:
+        # the previous current device comes back on exit: the caller's thread is not left
+        # switched by a collective it ran inline
+        with self.cupy.cuda.Device(self.index), self.stream:
             if ready is not None:
                 self.stream.wait_event(ready)
             yield
 
     def done(self):
-        return self.stream.record()
+        return self.stream.record(self._event())
+
+    def _event(self):
+        return self.cupy.cuda.Event(disable_timing=True)  # ordering only: no timestamps
 
     def join(self, done, synchronize=False):
         if done is None:
@@ -214,7 +220,7 @@ class CudaDevice(StagedDevice):
         if synchronize:
             done.synchronize()
         else:
-            self.cupy.cuda.get_current_stream().wait_event(done)
+            self.cupy.cuda.get_current_stream(self.index).wait_event(done)
 
 
 UNUSABLE = "CuPy sees a CUDA device but cannot compile and run a kernel on it"

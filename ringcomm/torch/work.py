@@ -102,7 +102,10 @@ class TorchWork(dist._Work):
         goes on), then finish the loans once; the call's error, or None."""
         if self._work is not None:
             try:
-                self._work.wait(timeout)
+                # synchronize: the loans' copies back and the user's kernels run on torch's
+                # streams, which ringcomm's stream order (CuPy's current stream) does not
+                # reach; blocking the host until the device work is done orders them all
+                self._work.wait(timeout, synchronize=True)
             except BaseException:
                 if not self._work.is_completed():
                     raise
@@ -126,7 +129,8 @@ class TorchWork(dist._Work):
         return True
 
     def is_completed(self):
-        """True once the call ended and its outputs hold their data (copies included)."""
+        """True once the call ended and its outputs hold their data (copies included; on a
+        GPU the device work has run)."""
         if self._finished:
             return True
         if not self._work.is_completed():

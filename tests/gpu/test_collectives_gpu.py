@@ -63,6 +63,28 @@ COLLECTIVES = textwrap.dedent("""
                 y = cp.full(count, r + 1.0, cp.float32)
                 comm.reduce(y, root=root, op="max", algorithm=algo)
                 bad += int(not bool((y == (n if r == root else r + 1)).all()))
+                if algo == "ring":  # gather and scatter go straight to or from their root
+                    continue
+                whole = cp.empty(count * n, cp.float32) if r == root else None
+                comm.gather(whole, cp.full(count, r, cp.float32), root=root, algorithm=algo)
+                if r == root:
+                    bad += int(not np.array_equal(cp.asnumpy(whole), np.repeat(np.arange(n, dtype=np.float32), count)))
+                piece = cp.empty(count, cp.int32)
+                src = cp.arange(count * n, dtype=cp.int32) if r == root else None
+                comm.scatter(piece, src, root=root, algorithm=algo)
+                bad += int(not np.array_equal(cp.asnumpy(piece), np.arange(r * count, (r + 1) * count, dtype=np.int32)))
+            if algo != "ps":
+                mixed = cp.arange(count * n, dtype=cp.float64) + 1000 * r
+                got = cp.empty(count * n, cp.float64)
+                comm.all_to_all(got, mixed, algorithm=algo)
+                want = np.concatenate([np.arange(r * count, (r + 1) * count) + 1000.0 * s for s in range(n)])
+                bad += int(not np.array_equal(cp.asnumpy(got), want))
+                splits = [(s + r) % 2 for s in range(n)]  # uneven: some ranks send nothing to some
+                theirs = [(r + s) % 2 for s in range(n)]
+                uneven_in = cp.full(sum(splits), r, cp.int64)
+                uneven_out = cp.empty(sum(theirs), cp.int64)
+                comm.all_to_all(uneven_out, uneven_in, out_splits=theirs, in_splits=splits, algorithm=algo)
+                bad += int(not np.array_equal(cp.asnumpy(uneven_out), np.repeat(np.arange(n), theirs)))
     print("BAD", bad, comm._device.copies_out > 0)
 """)
 
@@ -141,6 +163,21 @@ STREAMS = textwrap.dedent("""
             comm.send(cp.arange(5000, dtype=cp.float32) + 1, dst=0)
         else:
             comm.barrier()
+    # a thread that never made the rank's device current waits for a call made here (as a
+    # torch future's completer does): its stream of the rank's device must be the one ordered
+    import threading
+    x = cp.arange(3000, dtype=cp.float32) + r
+    w = comm.all_reduce(x, async_op=True)
+    seen = {}
+
+    def waiter():
+        w.wait()
+        with cp.cuda.Device(comm._device.index):
+            seen["got"] = cp.asnumpy(x + 0)
+    t = threading.Thread(target=waiter)
+    t.start()
+    t.join()
+    check("waited on another thread", seen.get("got"), np.arange(3000, dtype=np.float32) * n + n * (n - 1) / 2)
     print("BAD", bad)
 """)
 

@@ -86,14 +86,15 @@ class ndarray:
         """Device -> host on ``stream`` (default: the current one). ``blocking`` (the default)
         waits for the copy; ``blocking=False`` into pinned ``out`` returns at once and the
         host sees the bytes only once the stream is synchronised."""
-        _check_device(self)
-        stream = stream or rt.current_stream()
+        stream = stream or rt.current_stream(self._buffer.device)  # CuPy switches to the array's device
         if out is None:
             out = np.empty(self.shape, self.dtype)
-        elif not isinstance(out, np.ndarray) or out.shape != self.shape or out.dtype != self.dtype:
-            raise ValueError(f"out must be a numpy array of shape {self.shape} and dtype {self.dtype}")
+        elif not isinstance(out, np.ndarray) or out.dtype != self.dtype:
+            raise TypeError(f"out must be a numpy array of dtype {self.dtype}")
+        elif out.shape != self.shape:
+            raise ValueError(f"out must have shape {self.shape}")
         src = self._a
-        stream.launch(lambda: np.copyto(out, src), "a device -> host copy")
+        stream.launch(lambda: np.copyto(out, src), "a device -> host copy", any_device=True)
         if blocking or not rt.is_pinned(out):  # a copy to pageable memory is synchronous
             stream.synchronize()
         return out
@@ -103,13 +104,14 @@ class ndarray:
         gets there (the host must not overwrite them before); from pageable memory now."""
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"set takes a numpy array, not {type(arr).__name__}")
-        if arr.shape != self.shape or arr.dtype != self.dtype:
-            raise ValueError(f"set: shape {arr.shape} {arr.dtype} into {self.shape} {self.dtype}")
-        _check_device(self)
-        stream = stream or rt.current_stream()
+        if arr.dtype != self.dtype:
+            raise TypeError(f"set: dtype {arr.dtype} into {self.dtype}")
+        if arr.shape != self.shape:
+            raise ValueError(f"set: shape {arr.shape} into {self.shape}")
+        stream = stream or rt.current_stream(self._buffer.device)
         src = arr if rt.is_pinned(arr) else arr.copy()
         dst = self._a
-        stream.launch(lambda: np.copyto(dst, src), "a host -> device copy")
+        stream.launch(lambda: np.copyto(dst, src), "a host -> device copy", any_device=True)
 
     def __float__(self):
         return float(self._scalar())

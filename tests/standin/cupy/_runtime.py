@@ -6,7 +6,7 @@ is queued on the stream and carried out only when something forces it, in stream
 - ``stream.synchronize()``, ``event.synchronize()``, ``Device.synchronize()``: the host waits;
 - an operation queued on stream B after ``B.wait_event(e)`` first completes e's stream up to
   the point where ``e`` was recorded;
-- ``query()`` of an event or a stream: answers whether the work had run, then lets it run
+- ``.done`` of an event or a stream: answers whether the work had run, then lets it run
   (a GPU left alone gets there eventually; a poller sees "not yet" first);
 - on the legacy null stream (the default unless ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``)
   CUDA's implicit order: null-stream work follows earlier work of every *blocking* stream of
@@ -65,9 +65,10 @@ class Stream:
     def _blocking(self):
         return not (self.null or self.non_blocking or self.ptds)
 
-    def launch(self, fn, what="work"):
-        """Queue ``fn`` on this stream (it must be this thread's device's stream)."""
-        if self.device_id != current_device():
+    def launch(self, fn, what="work", any_device=False):
+        """Queue ``fn`` on this stream: a kernel's stream must be of this thread's current
+        device; a copy or an event wait (``any_device``) may go to any device's stream."""
+        if not any_device and self.device_id != current_device():
             raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: {what} on a stream of device "
                                    f"{self.device_id} while device {current_device()} is current")
         with LOCK:
@@ -97,14 +98,12 @@ class Stream:
     def synchronize(self):
         self.run_until(self._count)
 
-    def query(self):
-        done = self._done >= self._count
-        self.synchronize()
-        return done
-
     @property
     def done(self):
-        return self.query()
+        """Whether the queued work had run; the work then runs (see the module docstring)."""
+        finished = self._done >= self._count
+        self.synchronize()
+        return finished
 
     def record(self, event=None):
         event = event or Event()
@@ -113,26 +112,40 @@ class Stream:
 
     def wait_event(self, event):
         if event._stream is not None:
-            self.launch(_until(event._stream, event._position), "wait_event")
+            self.launch(_until(event._stream, event._position), "wait_event", any_device=True)
+
+    def _check_device(self):
+        if self.device_id != current_device():
+            raise RuntimeError(f"The device that the stream is created on ({self.device_id}) does not "
+                               f"match the current device ({current_device()})")
 
     def use(self):
+        self._check_device()
         _current_streams()[self.device_id] = self
         return self
 
     def __enter__(self):
+        self._check_device()
         streams = _current_streams()
-        self._previous = getattr(self, "_previous", [])
-        self._previous.append(streams.get(self.device_id))
+        _entered().append((self.device_id, streams.get(self.device_id)))
         streams[self.device_id] = self
         return self
 
     def __exit__(self, *exc):
+        device, previous = _entered().pop()
         streams = _current_streams()
-        previous = self._previous.pop()
         if previous is None:
-            streams.pop(self.device_id, None)
+            streams.pop(device, None)
         else:
-            streams[self.device_id] = previous
+            streams[device] = previous
+
+
+def _entered():
+    """This thread's stack of (device, the stream current before a ``with stream``)."""
+    stack = getattr(_local, "entered", None)
+    if stack is None:
+        stack = _local.entered = []
+    return stack
 
 
 def _until(stream, position):
@@ -156,8 +169,9 @@ def _current_streams():
     return streams
 
 
-def current_stream():
-    device = current_device()
+def current_stream(device=None):
+    """This thread's current stream of ``device`` (default: its current device)."""
+    device = current_device() if device is None else device
     stream = _current_streams().get(device)
     if stream is not None:
         return stream
@@ -174,27 +188,22 @@ def current_stream():
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self._stream, self._position = None, 0
-        self._queried = False
 
     def record(self, stream=None):
         stream = stream or current_stream()
         self._stream, self._position = stream, stream._count
-        self._queried = False
 
     def synchronize(self):
         if self._stream is not None:
             self._stream.run_until(self._position)
 
-    def query(self):
-        if self._stream is None:
-            return True
-        done = self._stream._done >= self._position
-        self.synchronize()
-        return done
-
     @property
     def done(self):
-        return self.query()
+        if self._stream is None:
+            return True
+        finished = self._stream._done >= self._position
+        self.synchronize()
+        return finished
 
 
 def synchronize_device(device_id=None):

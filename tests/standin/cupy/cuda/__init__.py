@@ -45,7 +45,7 @@ Stream.null = _NullStream()
 
 
 def get_current_stream(device_id=None):
-    return rt.current_stream()
+    return rt.current_stream(device_id)
 
 
 __all__ = ["Device", "Event", "Stream", "compiler", "driver", "get_current_stream", "runtime"]
