@@ -64,26 +64,17 @@ template <> struct Compute<half> {
 // compiler emits into its .ftz form (a subnormal operand or result becomes zero). numpy keeps
 // subnormals, so the fp32 steps are written as the PTX instructions without .ftz; the
 // -ftz flag only changes instructions the compiler chooses. fp64 has no flush mode.
-__device__ __forceinline__ float add(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float sub(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float mul(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float div(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+#define RC_PTX_F32(name, instruction)                                                      \
+    __device__ __forceinline__ float name(float a, float b) {                              \
+        float r;                                                                           \
+        asm(instruction " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                        \
+        return r;                                                                          \
+    }
+RC_PTX_F32(add, "add.rn.f32")
+RC_PTX_F32(sub, "sub.rn.f32")
+RC_PTX_F32(mul, "mul.rn.f32")
+RC_PTX_F32(div, "div.rn.f32")
+#undef RC_PTX_F32
 __device__ __forceinline__ float sqrt_rn(float a) {
     float r;
     asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a));

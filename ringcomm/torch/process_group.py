@@ -332,8 +332,8 @@ class _All:
     def __init__(self, works):
         self._works = works
 
-    def wait(self, timeout=None):
-        for w in self._works:
+    def wait(self, timeout=None, synchronize=False):
+        for w in self._works:  # a TorchWork's wait already waits for the device work
             w.wait(timeout)
 
     def is_completed(self):
