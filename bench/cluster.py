@@ -264,19 +264,22 @@ def main(argv=None):
     print(f"#{'H':>2} {'L':>2} {'N':>3} {'algo':>5} {'enc':>4} {'time(ms)':>10} {'predicted':>10} {'meas/pred':>9} "
           f"{'ring/this':>8} {'xhost MiB':>10} {'formula':>10} {'link MiB':>10} {'#wrong':>6}")
     try:
+        failed = False
         for H, L in grid:
             try:
                 measure(args, H, L, tmp, rows, training)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                print(f"bench/cluster.py: H={H} L={L} failed: {exc}", file=sys.stderr)
-                return 2
+                print(f"bench/cluster.py: H={H} L={L} failed: {exc}; keeping the rows measured before it",
+                      file=sys.stderr)
+                failed = True
+                break
         path = os.path.join(args.out, "cluster.json")
         bl.write_json(path, {"benchmark": "cluster", "ringcomm": bl.ringcomm_source(), "argv": sys.argv,
                              "machine": bl.machine(), "rate": args.rate, "delay": args.delay,
                              "model_bytes_per_s": bl.parse_rate(args.rate) / 8 * PAYLOAD_SHARE,
                              "rows": rows, "training": training})
         print(f"# wrote {path}")
-        return 1 if any(row["wrong"] for row in rows) else 0
+        return 2 if failed else 1 if any(row["wrong"] for row in rows) else 0
     except KeyboardInterrupt as exc:
         print(f"bench/cluster.py: interrupted ({exc or 'Ctrl-C'}); cleaning up", file=sys.stderr)
         return 130

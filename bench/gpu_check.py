@@ -4,8 +4,9 @@ Run on a machine with a CUDA GPU and CuPy (for example the lent H200 machine, wh
 has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). Steps:
 
 1. environment: CuPy version, devices, whether the kernels compile (``ringcomm.kernels``);
-2. the subnormal probe: every fp32 kernel on subnormal operands (sums, products, max/min
-   ties against zero, the avg division, unscale, the fp64 norm), bit for bit with numpy;
+2. the subnormal probe: the fp32 kernels on subnormal operands (sum, product, max/min ties
+   against zero, the avg division, scale, the fp16 cast, unscale, the inf/NaN check, an
+   Adam step, the fp64 norm), bit for bit with their numpy references;
 3. ``pytest tests/gpu`` on the real CuPy, in four steps: the kernels against their numpy
    references; every collective on CuPy arrays at N = 2 and 4 against numpy; the stream
    order probes (the caller on a non-blocking stream, and with per-thread default streams);
@@ -118,6 +119,17 @@ same("avg divide", acc.get(), ref.finalize("avg", a.copy(), 3))
 dst = cp.empty(4096, cp.float32); kernels.unscale(cp.asarray(a), dst, 2.0)
 want = np.empty(4096, np.float32); ref.unscale(a, want, 2.0)
 same("unscale", dst.get(), want)
+x = cp.asarray(a); kernels.scale(x, 0.5)
+same("scale", x.get(), ref.scale(a.copy(), 0.5))
+half = cp.empty(4096, cp.float16); kernels.scale_cast(cp.asarray(a), half, 2.0 ** 20)
+want16 = np.empty(4096, np.float16); ref.scale_cast(a, want16, 2.0 ** 20)
+checks["scale_cast"] = bool(np.array_equal(half.get().view(np.uint16), want16.view(np.uint16)))
+checks["found_nonfinite"] = kernels.found_nonfinite(cp.asarray(a)) == ref.found_nonfinite(a)
+p, m, v = a.copy(), np.zeros_like(a), np.zeros_like(a)  # Adam on subnormal weights and gradients
+dp, dm, dv = cp.asarray(p), cp.asarray(m), cp.asarray(v)
+kernels.adam_step(dp, cp.asarray(b), dm, dv, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 1.0)
+ref.adam_step(p, b, m, v, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 1.0)
+same("adam master", dp.get(), p); same("adam m", dm.get(), m); same("adam v", dv.get(), v)
 checks["norm f32->f64"] = bool(kernels.sq_norm_partial(cp.asarray(a), 1.0, 4).get().sum() == ref.sq_norm_partial(a, 1.0, 4, kernels.THREADS).sum())
 print("SUBNORMAL " + json.dumps(checks))
 '''

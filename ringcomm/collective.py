@@ -85,10 +85,7 @@ class Call:
             else:
                 transport.pump(0)
             if self.device.staged:  # the host device has nothing to order
-                with self.device.running(self.ready):
-                    deferred = self.body(link)
-                    if deferred is None:
-                        self.completion = self.device.done()
+                deferred = self._on_device(self.ready, lambda: self.body(link), lambda d: d is None)
             else:
                 deferred = self.body(link)
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
@@ -115,6 +112,15 @@ class Call:
         comm._stats.collectives += 1
         return self.result
 
+    def _on_device(self, ready, step, finished):
+        """``step()`` with its device work on the device's stream, after ``ready``; once
+        ``finished(what step returned)``, the call's completion event is recorded."""
+        with self.device.running(ready):
+            outcome = step()
+            if finished(outcome):
+                self.completion = self.device.done()
+        return outcome
+
     def join(self, synchronize=False):
         """On the thread that waited for this call: order its next device work after the
         call's (``synchronize``: block until the device work is done); see ringcomm.device."""
@@ -125,17 +131,11 @@ class Call:
         """``progress`` of a deferred point-to-point call, counted once when it completes. It
         may go on in another thread than the one that started it (a receive handed over to
         the communication thread): each step enters the device's stream context there."""
-        device = self.device
+        staged = self.device.staged
 
         def finishing():
-            try:
-                if device.staged:
-                    with device.running(None):  # the submission's event was waited for in run
-                        done = progress()
-                        if done:
-                            self.completion = device.done()
-                else:
-                    done = progress()
+            try:  # the submission's event was waited for in run: no ready event here
+                done = self._on_device(None, progress, bool) if staged else progress()
             except SignatureMismatch as exc:
                 raise describe_mismatch(self.what, link.ranks[link.rank], exc) from None
             if done:

@@ -389,6 +389,7 @@ class Communicator:
         # the transport unstaged, which takes host memory only
         staged = self._device.staged and self._device.is_array(x)
         device = self._device if staged else HOST
+        ready = device.ready()  # on this thread, outside the lock the communication thread takes
         engine = self._engine
         with engine.lock:  # numbers are taken in submission order, which every rank shares
             if engine.closed:
@@ -402,7 +403,7 @@ class Communicator:
                 self._p2p_seq[route] += 1
                 direction, peer, tag = route
                 what = f"{'send to' if direction == 'to' else 'recv from'} rank {peer} (tag {tag}, #{seq}) on {self.name}"
-            call = Call(self, body, space, seq, sig, x.dtype, what, device, result, device.ready())
+            call = Call(self, body, space, seq, sig, x.dtype, what, device, result, ready)
             if route is None and not async_op and engine.hold():
                 return call, None  # a collective never defers: nothing for the thread to finish
             work = engine.submit(call.run, what, inline=not async_op)

@@ -70,9 +70,6 @@ class HostDevice:
         """A device array holding the received host array ``host``."""
         return host
 
-    def synchronize(self):
-        pass
-
     def activate(self):
         """Make this the current device of the calling thread (before each collective)."""
 
@@ -187,12 +184,6 @@ class CudaDevice(StagedDevice):
         out = self.cupy.empty(host.shape, host.dtype)
         out.set(host, stream=self.stream)
         return out
-
-    def synchronize(self):
-        self.stream.synchronize()
-
-    def activate(self):
-        self.cupy.cuda.Device(self.index).use()  # the communication thread too
 
     def ready(self):
         # the submitting thread's stream *of this device*: a thread that never made the

@@ -2,8 +2,8 @@
 
 A :class:`Link` translates group ranks to global ranks, stamps every message with the
 collective's identity (communicator, sequence number, step, segment) and signature, checks
-that what arrives has the dtype and length this rank expects, and counts payload bytes
-(those that cross to another host apart). A schedule that runs in phases among subsets of
+that what arrives has the dtype and length this rank expects, and counts payload bytes, and
+separately those that cross to another host. A schedule that runs in phases among subsets of
 the group (inside each host, then across hosts) gets a :class:`SubLink` for each phase.
 
 >>> # rank 1 of a group of 2, in collective #7:

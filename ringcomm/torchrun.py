@@ -45,5 +45,8 @@ def rendezvous_port(info, environ):
     # the store is where torchrun says, whatever init() was told about ringcomm's rendezvous
     store = TCPStore(environ.get("MASTER_ADDR", info.master_addr), int(environ["MASTER_PORT"]),
                      is_master=False, timeout=timedelta(seconds=info.timeout))
-    _, port, forget = agree(store, info.rank, info.master_addr, environ.get("TORCHELASTIC_RUN_ID", ""))
+    # a restart's processes count their joins from 1 again: the restart count keeps a key
+    # left by a round that failed before it could forget it out of the next round's way
+    scope = f"{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    _, port, forget = agree(store, info.rank, info.master_addr, scope)
     return port, forget

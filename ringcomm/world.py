@@ -25,7 +25,7 @@ def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_p
     ``RINGCOMM_ENCRYPT``, else on exactly when the ranks span several hosts) turns CURVE
     encryption of every peer connection on or off; either way a peer must prove the job secret (``RINGCOMM_SECRET``; :mod:`ringcomm.secret` says where it
     comes from when that is not set). ``device``: ``"auto"`` (default,
-    or ``RINGCOMM_DEVICE``: GPU ``LOCAL_RANK % device_count`` if CuPy sees one, else the
+    or ``RINGCOMM_DEVICE``: GPU ``LOCAL_RANK % device_count`` if CuPy sees one and can run a probe kernel on it, else the
     CPU), ``"cpu"``, ``"gpu"``, ``"emulated"`` (CPU arrays through the GPU staging path, for
     tests); ``comm.device`` says which. Ranks described by keywords alone (no launcher
     variables) are taken to share this host. Returns after every rank joined

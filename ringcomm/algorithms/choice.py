@@ -69,7 +69,9 @@ def hier_all_reduce_bytes(hosts, per_host, nbytes):
 def all_reduce_bytes(n, nbytes, algorithm="auto", local=False):
     """Payload bytes one rank sends in an all-reduce of ``nbytes`` on ``n`` ranks with
     ``algorithm`` (``auto`` resolved as :func:`auto_algorithm` does): ring 2(n−1)/n·S,
-    recursive doubling S·log2 n, parameter server (n−1)·S on the root (the busiest rank)."""
+    recursive doubling S·log2 n, parameter server (n−1)·S on the root (the busiest rank).
+    ``hier`` sends the ring's total too: 2(L−1)/L·S inside the host plus 2(H−1)/(HL)·S
+    across hosts is 2(n−1)/n·S."""
     if n == 1:
         return 0.0
     if algorithm == "auto":

@@ -41,6 +41,7 @@ import numpy as np
 from ..ops import ReduceOp, finalize
 from . import ps, ring
 from .choice import SMALL_MESSAGE_BYTES
+from .chunks import chunk_bounds
 
 # the phases of one collective: each gets its own message keys (see SubLink)
 HOST, RAIL, HOST_AGAIN = 1, 2, 3
@@ -51,10 +52,6 @@ def _partial(op):
     return ReduceOp.SUM if op is ReduceOp.AVG else op
 
 
-def _empty(like, count):
-    return np.empty_like(like, shape=(count,))  # a CuPy array for a CuPy ``like``
-
-
 def all_reduce(link, x, op):
     """In place on flat ``x``: every rank ends with ``op`` over all ranks' ``x``."""
     top, n = link.topology, link.size
@@ -63,9 +60,7 @@ def all_reduce(link, x, op):
     if top.per_host is None:
         return _all_reduce_via_leaders(link, x, op)
     host = link.sub(top.my_host, HOST)
-    table = ring.chunk_table(x, host)
-    mine = table[(host.rank + 1) % host.size]  # the chunk this rank finishes in phase 1
-    chunk = x[mine[0].start:mine[-1].stop]
+    table, chunk = ring.chunk_table(x, host), _piece(x, host)  # chunk: finished here in phase 1
     ring.reduce_scatter_in_place(host, x, _partial(op), table)  # steps 0 .. L-2
     ring.all_reduce(link.sub(top.rail(host.rank), RAIL), chunk, _partial(op))
     finalize(op, chunk, n)
@@ -84,12 +79,11 @@ def _all_reduce_via_leaders(link, x, op):
 
 
 def _piece(buf, host):
-    """The H·m elements of ``buf`` (ordered by rail, see Topology.by_rail) that this rank's
-    rail works on: piece local rank + 1 (mod L), the one the ring inside the host finishes
-    here."""
-    size = buf.size // host.size
-    at = (host.rank + 1) % host.size * size
-    return buf[at:at + size]
+    """The chunk of ``buf`` that the ring inside the host finishes on this rank, local rank
+    + 1 (mod L), and that this rank's rail then works on (for a buffer ordered by rail, see
+    Topology.by_rail: its H·m elements)."""
+    lo, hi = chunk_bounds(buf.size, host.size)[(host.rank + 1) % host.size]
+    return buf[lo:hi]
 
 
 def reduce_scatter(link, out, x, op):
@@ -98,7 +92,7 @@ def reduce_scatter(link, out, x, op):
     top, n, m = link.topology, link.size, out.size
     if top is None or not top.layered or top.per_host is None:
         return ring.reduce_scatter(link, out, x, op)
-    buf = _empty(x, x.size)
+    buf = np.empty_like(x)  # a CuPy array for a CuPy ``x``
     buf.reshape(n, m)[top.by_rail] = x.reshape(n, m)
     host = link.sub(top.my_host, HOST)
     ring.reduce_scatter_in_place(host, buf, _partial(op), ring.chunk_table(buf, host))
@@ -112,7 +106,7 @@ def all_gather(link, out, x):
     if top is None or not top.layered or top.per_host is None:
         return ring.all_gather(link, out, x)
     host = link.sub(top.my_host, HOST)
-    buf = _empty(out, out.size)
+    buf = np.empty_like(out)
     ring.all_gather(link.sub(top.rail(host.rank), RAIL), _piece(buf, host), x)
     ring.all_gather_in_place(host, buf, ring.chunk_table(buf, host))
     out.reshape(n, m)[...] = buf.reshape(n, m)[top.by_rail]
@@ -153,7 +147,7 @@ def broadcast(link, x, root):
     if top is None or top.num_hosts == 1:
         return ring.broadcast(link, x, root)
     host, leaders, lead = _host_and_leaders(link, root)
-    if leaders is not None and leaders.size > 1:
+    if leaders is not None:  # several hosts: one leader each
         ring.broadcast(leaders, x, 0)
     _broadcast_in(host, x, lead)
 
@@ -166,8 +160,7 @@ def reduce(link, x, root, op):
     host, leaders, lead = _host_and_leaders(link, root)
     acc = _reduce_in(host, x, lead, _partial(op), keep=link.rank != root)
     if leaders is not None:
-        if leaders.size > 1:
-            ring.reduce(leaders, acc, 0, _partial(op))
+        ring.reduce(leaders, acc, 0, _partial(op))
         if link.rank == root:
             finalize(op, x, link.size)
 

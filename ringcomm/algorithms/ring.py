@@ -126,7 +126,7 @@ def reduce_scatter(link, out, x, op):
         out[...] = x
         finalize(op, out, 1)
         return
-    table = segment_table(x.size, n, x.itemsize, link.segment_bytes)
+    table = chunk_table(x, link)
 
     def chunk_index(step):
         return (r - step - 2) % n
@@ -151,7 +151,7 @@ def all_gather(link, out, x):
     out[r * m:(r + 1) * m] = x
     if n == 1:
         return
-    table = segment_table(out.size, n, out.itemsize, link.segment_bytes)
+    table = chunk_table(out, link)
 
     def on_receive(step, j, data):
         seg = out[table[(r - step - 1) % n][j]]

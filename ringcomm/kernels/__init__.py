@@ -267,7 +267,7 @@ def grad_overflow(grad, loss_scale):
     flat = _flat(grad, "grad")
     _launch("adam", f"adam_unscale_check_{_SUFFIX[grad.dtype.name]}", flat.size,
             (flat, np.float32(float(loss_scale)), found, np.int64(flat.size)))
-    return bool(int(found.get()[0]))
+    return _flag_result(found)
 
 
 def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
@@ -308,7 +308,7 @@ def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, los
         np.int32(s["use_weight_decay"]), f32(s["beta1"]), f32(s["one_minus_beta1"]),
         f32(s["beta2"]), f32(s["one_minus_beta2"]), f32(s["step_size"]),
         f32(s["bias_correction2_sqrt"]), f32(s["eps"]), np.int64(n)))
-    return bool(int(found.get()[0])) if skip_if_nonfinite else False
+    return _flag_result(found) if skip_if_nonfinite else False
 
 
 # -- cast.cu ------------------------------------------------------------------------------------
@@ -328,10 +328,11 @@ def scale_cast(src, dst, scale=1.0):
     return dst
 
 
-def _flag_result(cp, found, given):
-    """The kernel's inf/NaN flag: with ``given`` (a device int32 array of one element, ORed
-    into and left on the device) None and no synchronisation; else a bool (one sync)."""
-    return None if given is not None else bool(int(found.get()[0]))
+def _flag_result(flag, given=None):
+    """What a checking kernel returns: None when the caller ``given`` its own flag (an int32
+    device array of one element, left on the device: no synchronisation), else ``flag`` as
+    a bool (one synchronisation)."""
+    return None if given is not None else bool(int(flag.get()[0]))
 
 
 def unscale(src, dst, loss_scale, found=None):
@@ -360,7 +361,7 @@ def unscale(src, dst, loss_scale, found=None):
                 (d, np.float32(float(loss_scale)), flag, np.int64(d.size)))
     else:
         raise TypeError(f"unscale takes a float16 or float32 source, not {src.dtype.name}")
-    return _flag_result(cp, flag, found)
+    return _flag_result(flag, found)
 
 
 def found_nonfinite(x, found=None):
@@ -377,7 +378,7 @@ def found_nonfinite(x, found=None):
     flat = _flat(x, "x")
     _launch("cast", f"find_nonfinite_{_SUFFIX[x.dtype.name]}", flat.size,
             (flat, flag, np.int64(flat.size)))
-    return _flag_result(cp, flag, found)
+    return _flag_result(flag, found)
 
 
 # -- norm.cu ------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-// common.cuh: what every kernel file of ringcomm shares (fp16 type, finiteness tests,
-// grid-stride loop). Included by each *.cu; ringcomm/kernels.py inlines it for NVRTC.
+// common.cuh: what every kernel file of ringcomm shares (fp16 type, finiteness tests, exact
+// never-flushed arithmetic and comparisons, widening, grid-stride loop). Included by each
+// *.cu; ringcomm/kernels/__init__.py inlines it for NVRTC.
 #pragma once
 // ---- common prelude: identical in every kernels/*.cu (tests/unit/test_kernels.py checks) ----
 // fp16: cuda_fp16.h's __half by default (nvcc has it; CuPy's RawModule finds the copy CuPy
 // bundles). -DRINGCOMM_NO_CUDA_FP16 swaps in a two-byte struct with the same layout and the
 // same two PTX conversions that __half2float / __float2half_rn emit, for an NVRTC that cannot
-// find cuda_fp16.h; ringcomm/kernels.py retries with it. Every floating-point step that must
+// find cuda_fp16.h; ringcomm/kernels/__init__.py retries with it. Every floating-point step that must
 // match numpy bit for bit goes through rc::add/sub/mul/div/sqrt_rn and the comparisons
 // below: correctly rounded, never contracted into an FMA, and never flushed to zero.
 #ifndef RINGCOMM_NO_CUDA_FP16

@@ -190,9 +190,10 @@ class Coordinator:
         if doc.get("kind") == "hello":
             if not isinstance(doc.get("nonce"), str) or ident in self._conns:
                 return self._refused("a second hello on one connection")
-            confirmed = set(self._peers.values())
-            for old in [i for i in self._conns if i not in confirmed][:max(0, len(self._conns) - MAX_CONNECTIONS + 1)]:
-                del self._conns[old]  # the oldest never-confirmed connections go first
+            if len(self._conns) >= MAX_CONNECTIONS:  # the oldest never-confirmed ones go first
+                confirmed = set(self._peers.values())
+                for old in [i for i in self._conns if i not in confirmed][:len(self._conns) - MAX_CONNECTIONS + 1]:
+                    del self._conns[old]
             self._conns[ident] = {"ours": secrets.token_hex(16), "theirs": doc["nonce"], "n": doc["n"],
                                   "node": node}
             return self._send_to(ident, {"kind": "challenge", "round": self._round, "nonce": self._conns[ident]["ours"]})

@@ -364,15 +364,13 @@ def _run_rounds(cfg, interrupted):
                 log(f"{why}: giving up" + (f" after {rnd} restart(s)" if rnd else ""))
                 return EXIT_FAILURE
             log(f"{why}: restarting the workers of every node (restart {rnd + 1} of {cfg.max_restarts})")
-    except rounds.RoundsError as exc:
+    except BaseException as exc:
+        if agent is not None:  # whoever still listens ends the job too (workers that could
+            agent.report("quit", rnd)  # not start, a lost coordinator...)
+        if not isinstance(exc, rounds.RoundsError):
+            raise
         log(str(exc))
-        if agent is not None:
-            agent.report("quit", rnd)  # whoever still listens ends the job too
         return EXIT_FAILURE
-    except BaseException:
-        if agent is not None:  # e.g. workers that could not be started: end the job everywhere
-            agent.report("quit", rnd)
-        raise
     finally:
         if agent is not None:
             agent.close()

@@ -97,16 +97,20 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def _start(self, opts, loans, result, call, after=None):
         """Start ``call(async_op)``; a TorchWork over what it returns."""
-        if opts is None or getattr(opts, "asyncOp", True):
-            return TorchWork(call(True), loans, result, after)
+        async_op = opts is None or getattr(opts, "asyncOp", True)
+        if async_op or self._gpu:
+            # on a GPU even a synchronous call goes through TorchWork's wait, which blocks
+            # until the device work is done before the copies back run on torch's stream
+            work = TorchWork(call(True), loans, result, after)
+            if not async_op:
+                work.wait()
+            return work
         call(False)
         return TorchWork(None, loans, result, after)
 
     def _reduction(self, tensors, opts):
         op, factor = _reduce_op(opts.reduceOp)
-        check_op(tensors, op)
-        if factor is not None and not (tensors[0].is_floating_point() or tensors[0].is_complex()):
-            raise ValueError(f"ringcomm: PREMUL_SUM scales floating-point tensors, not {tensors[0].dtype}")
+        check_op(tensors, op, factor)
         return op, factor
 
     # -- reductions -------------------------------------------------------------------------

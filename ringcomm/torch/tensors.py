@@ -25,11 +25,16 @@ _MOVE_AS = {torch.bfloat16: torch.int16, torch.complex32: torch.float16,
 _COMPLEX_OPS = ("sum", "avg")
 
 
-def check_op(tensors, op):
-    """Refuse a reduction ``op`` ringcomm cannot do for these tensors' dtype."""
+def check_op(tensors, op, factor=None):
+    """Refuse a reduction ``op`` ringcomm cannot do for these tensors' dtype (``factor``:
+    PREMUL_SUM's, which scales floating-point tensors only)."""
+    if not tensors:
+        return
     dtype = tensors[0].dtype
     if dtype.is_complex and op not in _COMPLEX_OPS:
         raise ValueError(f"ringcomm reduces complex tensors with sum or avg only, not {op!r}")
+    if factor is not None and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"ringcomm: PREMUL_SUM scales floating-point tensors, not {dtype}")
 
 
 def _device(tensors, gpu):

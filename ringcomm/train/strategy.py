@@ -84,20 +84,10 @@ class Strategy:
     def _checked_fp32(self, grad, flags):
         """A fresh fp32 copy of ``grad`` (clipping scales it in place), with ``flags[0]`` set
         when it holds inf/NaN and ``flags[1]`` to this rank's share of the squared norm when
-        clipping: fp16 is cast, unscaled and checked in one pass (one kernel on a GPU). On a
-        GPU the flag and the norm stay on the device until one copy brings both to the host
-        for the step's one decision."""
+        clipping (0 after an overflow): fp16 is cast, unscaled and checked in one pass (one
+        kernel on a GPU). The flag and the norm stay where the gradient is until one copy
+        brings both to the host for the step's one decision (on a GPU: one wait per step)."""
         xp = array_module(grad)
-        if xp is np:
-            if self.mixed:
-                grad, fp16 = np.empty(grad.size, np.float32), grad
-                flags[0] = kernels.unscale(fp16, grad, self.scaler.scale)
-            else:
-                grad = grad.astype(np.float32)
-                flags[0] = kernels.found_nonfinite(grad)
-            if self.cfg.clip_grad_norm and not flags[0]:
-                flags[1] = self._squared_norm(grad)
-            return grad
         found = xp.zeros(1, np.int32)
         if self.mixed:
             grad, fp16 = xp.empty(grad.size, np.float32), grad
@@ -107,9 +97,10 @@ class Strategy:
             kernels.found_nonfinite(grad, found=found)
         decision = xp.zeros(2, np.float64)
         decision[0] = found[0]
-        if self.cfg.clip_grad_norm:  # the norm of an overflowed gradient is not used: 0
-            decision[1] = xp.where(found[0] == 0, self._squared_norm(grad, on_device=True), 0.0)
-        flags[:2] = xp.asnumpy(decision)
+        if self.cfg.clip_grad_norm:  # an overflowed gradient's norm is taken, then dropped
+            with np.errstate(invalid="ignore", over="ignore"):
+                decision[1] = xp.where(found[0] == 0, self._squared_norm(grad, on_device=True), 0.0)
+        flags[:2] = to_host(decision)
         return grad
 
     def _squared_norm(self, grad, on_device=False):

@@ -5,7 +5,9 @@ socket; a connection that does not prove the secret is refused during the ZeroMQ
 before a single frame of it reaches the rank.
 
 - ranks that all share one host (``RINGCOMM_ENCRYPT`` unset), or ``RINGCOMM_ENCRYPT=0``
-  (every rank must say the same, or connections are refused): ZeroMQ's **PLAIN** mechanism carrying a **one-time proof** instead of a password. Rank r connecting to the socket published as ``id`` sends user ``r`` and
+  (every rank must say the same, or connections are refused): ZeroMQ's **PLAIN** mechanism
+  carrying a **one-time proof** instead of a password. Rank r connecting to the socket
+  published as ``id`` sends user ``r`` and
   ``nonce:HMAC-SHA256(secret, "ringcomm-peer|id|r|nonce")`` with a fresh random nonce. The
   receiving rank checks the HMAC against its own ``id`` and refuses a nonce it has already
   accepted, so a sniffed handshake replayed later, or sent to another socket, is refused,

@@ -109,6 +109,13 @@ def receive_handed_over(comm):
     finish it (an empty send: it stages nothing, so it makes the device current nowhere)."""
     import threading
     import time
+    device, copied_in_by = comm._device, set()
+    stage_in = device.stage_in
+
+    def recorded(host):
+        copied_in_by.add(threading.get_ident())
+        return stage_in(host)
+    device.stage_in = recorded
     x = np.zeros(50_000)
     if comm.rank == 0:
         other = threading.Thread(target=lambda: (time.sleep(0.2), comm.send(np.zeros(0), dst=1, tag=7)))
@@ -119,7 +126,7 @@ def receive_handed_over(comm):
         time.sleep(0.6)
         comm.send(np.full(50_000, 2.0), dst=0, tag=3)
         comm.recv(np.zeros(0), src=0, tag=7)
-    return float(x.sum())
+    return float(x.sum()), bool(copied_in_by - {threading.get_ident()})  # another thread copied in
 
 
 def test_a_receive_finished_by_the_communication_thread_uses_the_ranks_device(emulated):
@@ -127,4 +134,4 @@ def test_a_receive_finished_by_the_communication_thread_uses_the_ranks_device(em
     rank's device current; the emulated device raises instead."""
     if emulated.world_size != 2:
         pytest.skip("the case is written for two ranks")
-    assert emulated.run(receive_handed_over)[0] == 100_000.0
+    assert emulated.run(receive_handed_over)[0] == (100_000.0, True)

@@ -2,14 +2,14 @@
 CuPy stand-in (``tests/standin``, everywhere) and on real CuPy with a CUDA device; every
 other test here, and the real-CuPy runs, need CuPy and a device and are skipped elsewhere.
 
-Each test module here guards its own ``import cupy``: a module-level
-``pytest.importorskip("cupy")`` and a device check that ends in
+A module that imports ``cupy`` itself (``test_kernels_gpu.py``) guards that import: a
+module-level ``pytest.importorskip("cupy")`` and a device check that ends in
 ``pytest.skip(..., allow_module_level=True)``. That cannot live in this file: a skip raised
 while pytest imports a conftest of a directory named on the command line aborts the whole run
 (``pytest tests/gpu`` would crash instead of reporting skips). What this file does, without
-raising: it adds the ``gpu`` marker (declared in setup.cfg; nothing new is registered) to
-every test collected below this directory and, where there is no device, a skip that says
-why.
+raising: it marks the stand-in runs ``standin`` and every other test below this directory
+``gpu`` (both declared in setup.cfg) and gives the ``gpu`` ones, where there is no device, a
+skip that says why.
 """
 from pathlib import Path
 

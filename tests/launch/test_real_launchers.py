@@ -79,7 +79,8 @@ comm.close()
 
 
 def test_restart_under_torchrun(tmp_path):
-    """A restarted generation meets under a port of its own, never the dead one's."""
+    """A worker killed in the first generation: torchrun restarts the group, and the new
+    generation agrees on its rendezvous afresh and finishes."""
     pytest.importorskip("torch", reason="torchrun comes with PyTorch")
     script = tmp_path / "restart.py"
     script.write_text(RESTART)

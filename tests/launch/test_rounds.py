@@ -27,14 +27,16 @@ sys.exit(1 if n < int(sys.argv[1]) and os.environ["RANK"] == "3" else 0)
 """
 
 
-def launchers(tmp_path, fail_rounds, *extra, nodes=(0, 1), port=None):
-    script = tmp_path / "flaky.py"
-    script.write_text(FLAKY)
+def launchers(tmp_path, fail_rounds, *extra, nodes=(0, 1), port=None, script=FLAKY, nproc=2):
+    """One launcher per node of a two-node job running ``script`` (its argument:
+    ``fail_rounds``); the processes and the port."""
+    path = tmp_path / "job.py"
+    path.write_text(script)
     port = port or free_port()
     env = dict(os.environ, RINGCOMM_SECRET=SECRET, PYTHONPATH=REPO)
     return [subprocess.Popen([sys.executable, "-m", "ringcomm.launch", "--nnodes", "2", "--node-rank", str(node),
-                              "--nproc", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), *extra,
-                              str(script), str(fail_rounds)],
+                              "--nproc", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port), *extra,
+                              str(path), str(fail_rounds)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for node in nodes], port
 
@@ -197,15 +199,7 @@ time.sleep(60)
 
 
 def test_a_signal_to_one_launcher_ends_the_job_on_every_node(tmp_path):
-    script = tmp_path / "sleepy.py"
-    script.write_text(SLEEPY)
-    port = free_port()
-    env = dict(os.environ, RINGCOMM_SECRET=SECRET, PYTHONPATH=REPO)
-    procs = [subprocess.Popen([sys.executable, "-m", "ringcomm.launch", "--nnodes", "2", "--node-rank", str(node),
-                               "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "--max-restarts", "2", str(script)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]
+    procs, _ = launchers(tmp_path, 0, "--max-restarts", "2", script=SLEEPY, nproc=1)
     deadline = time.monotonic() + 30
     while "WORKING" not in procs[1].stdout.readline():  # node 1's worker runs: round 0 started
         assert time.monotonic() < deadline

@@ -71,6 +71,15 @@ def test_auto_picks_hier_only_where_hosts_are_layered():
 
 # -- all-reduce --------------------------------------------------------------------------------
 
+
+def all_reduce_of(xs, op):
+    """A run_hier body: rank r all-reduces a copy of ``xs[r]`` with ``op`` and returns it."""
+    def body(r, link):
+        x = xs[r].copy()
+        hier.all_reduce(link, x, op)
+        return x
+    return body
+
 @pytest.mark.parametrize("dtype, opname", FEWER_DTYPE_OPS + [(np.float32, "avg")],
                          ids=dtype_ops_ids(FEWER_DTYPE_OPS + [(np.float32, "avg")]))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -81,12 +90,7 @@ def test_all_reduce_matches_numpy_and_agrees_bitwise(layout, dtype, opname):
     for count in lengths(n):
         xs = stacked(n, count, dtype, opname)
 
-        def body(r, link):
-            x = xs[r].copy()
-            hier.all_reduce(link, x, op)
-            return x
-
-        run = run_hier(hosts, body, dtype, "all_reduce", op, count=count)
+        run = run_hier(hosts, all_reduce_of(xs, op), dtype, "all_reduce", op, count=count)
         assert_matches(run.results[0], reference(opname, xs))
         for r in range(1, n):
             assert run.results[r].tobytes() == run.results[0].tobytes(), (count, r)
@@ -127,12 +131,7 @@ def test_uneven_hosts_cross_through_their_leaders():
     n, count = len(hosts), 60
     xs = stacked(n, count, np.float64, "sum")
 
-    def body(r, link):
-        x = xs[r].copy()
-        hier.all_reduce(link, x, parse_op("sum", np.float64))
-        return x
-
-    run = run_hier(hosts, body, np.float64, "all_reduce", "sum", count=count)
+    run = run_hier(hosts, all_reduce_of(xs, parse_op("sum", np.float64)), np.float64, "all_reduce", "sum", count=count)
     S = count * 8
     assert inter_sent(run) == [2 * 2 / 3 * S, 2 * 2 / 3 * S, 0, 2 * 2 / 3 * S, 0, 0]
 
@@ -254,22 +253,18 @@ def test_reduce_scatter_and_all_gather_in_place_as_zero_calls_them(layout):
 
 @pytest.mark.parametrize("layout", ["uneven3", "mixed"])
 def test_large_buffers_take_the_chain_inside_hosts(layout):
-    """Over 64 KiB, broadcast and reduce inside a host run the chain, not the fan-out; with
-    4 KiB segments, every chunk is cut into several."""
+    """Over 64 KiB (where reduce inside a host takes the chain rather than the fan-out) and
+    with 4 KiB segments (every chunk cut into several), uneven hosts still get exact results."""
     hosts = LAYOUTS[layout]
     n, count = len(hosts), 20011
     xs = stacked(n, count, np.float64, "sum")
+
+    run = run_hier(hosts, all_reduce_of(xs, parse_op("sum", np.float64)), np.float64, "all_reduce", "sum",
+                   count=count, segment_bytes=4096)
+    for r in range(n):
+        assert_matches(run.results[r], reference("sum", xs))
+        assert run.results[r].tobytes() == run.results[0].tobytes()
     for root in (0, n - 1):
-        def body(r, link):
-            x = xs[r].copy()
-            hier.all_reduce(link, x, parse_op("sum", np.float64))
-            return x
-
-        run = run_hier(hosts, body, np.float64, "all_reduce", "sum", count=count, segment_bytes=4096)
-        for r in range(n):
-            assert_matches(run.results[r], reference("sum", xs))
-            assert run.results[r].tobytes() == run.results[0].tobytes()
-
         def reduce_body(r, link):
             y = xs[r].copy()
             hier.reduce(link, y, root, parse_op("sum", np.float64))

@@ -11,7 +11,7 @@ says what it is in ``cupy.STANDIN``.
 import numpy as np
 
 from . import _kernels, _runtime, cuda
-from ._array import allocated, apply, ndarray
+from ._array import apply, ndarray
 
 STANDIN = True
 __version__ = "14.2.0+standin"
@@ -31,12 +31,6 @@ def asarray(a, dtype=None, order=None):
     return _device_array(a, dtype)
 
 
-def array(a, dtype=None, copy=True, order="K", ndmin=0):
-    if isinstance(a, ndarray):
-        return a.astype(dtype or a.dtype) if copy else asarray(a, dtype)
-    return _device_array(a, dtype)
-
-
 ascontiguousarray = asarray
 
 
@@ -44,10 +38,6 @@ def asnumpy(a, stream=None, order="C", out=None, blocking=True):
     if isinstance(a, ndarray):
         return a.get(stream=stream, out=out, blocking=blocking)
     return np.asarray(a)
-
-
-def get_array_module(*args):
-    return __import__(__name__) if any(isinstance(a, ndarray) for a in args) else np
 
 
 def empty(shape, dtype=float, order="C"):
@@ -60,24 +50,7 @@ def _filled(maker):
     return create
 
 
-zeros, ones, full, arange, linspace, eye, identity = (
-    _filled(f) for f in (np.zeros, np.ones, np.full, np.arange, np.linspace, np.eye, np.identity))
-
-
-def empty_like(a, dtype=None):
-    return ndarray(a.shape, dtype or a.dtype)
-
-
-def zeros_like(a, dtype=None):
-    return zeros(a.shape, dtype or a.dtype)
-
-
-def ones_like(a, dtype=None):
-    return ones(a.shape, dtype or a.dtype)
-
-
-def full_like(a, fill_value, dtype=None):
-    return full(a.shape, fill_value, dtype or a.dtype)
+zeros, ones, full, arange = (_filled(f) for f in (np.zeros, np.ones, np.full, np.arange))
 
 
 class RawModule:
@@ -96,7 +69,7 @@ class RawModule:
 class RawKernel:
     def __init__(self, code, name, options=(), backend="nvrtc", translate_cucomplex=False,
                  enable_cooperative_groups=False, jitify=False):
-        if name not in _kernels.MODELS:
+        if not name.startswith(_kernels.PREFIXES):
             raise cuda.driver.CUDADriverError(f"CUDA_ERROR_NOT_FOUND: named symbol not found: {name}")
         self.name = name
 
@@ -110,25 +83,11 @@ class RawKernel:
         real = [a._a if isinstance(a, ndarray) else a for a in args]
         if any(isinstance(a, np.ndarray) for a in args):
             raise TypeError(f"{self.name}: a numpy array is not a kernel argument")
-        model, name = _kernels.MODELS[self.name], self.name
+        model, name = _kernels.model, self.name
         _runtime.counts["kernels"] += 1
         _runtime.counts[f"kernel {name}"] += 1
         (stream or _runtime.current_stream()).launch(
             lambda: model(name, tuple(grid), tuple(block), real), f"kernel {name}")
-
-
-class _MemoryPool:
-    def used_bytes(self):
-        return allocated["bytes"]
-
-    total_bytes = used_bytes
-
-    def free_all_blocks(self):
-        pass
-
-
-def get_default_memory_pool():
-    return _MemoryPool()
 
 
 def pinned_bytes():

@@ -16,8 +16,8 @@ import numpy as np
 from . import _runtime as rt
 
 DATA_DEPENDENT = {"nonzero", "flatnonzero", "argwhere", "unique", "compress", "extract",
-                  "array_equal", "allclose", "isclose_all", "count_nonzero_py", "tolist", "item"}
-allocated = {"bytes": 0, "arrays": 0, "peak": 0}  # device memory held by live buffers
+                  "array_equal", "allclose"}
+allocated = {"bytes": 0, "peak": 0}  # device memory held by live buffers
 
 
 def poison(shape, dtype):
@@ -34,12 +34,10 @@ class _Buffer:
     def __init__(self, data, device):
         self.data, self.device = data, device
         allocated["bytes"] += data.nbytes
-        allocated["arrays"] += 1
         allocated["peak"] = max(allocated["peak"], allocated["bytes"])
 
     def __del__(self):
         allocated["bytes"] -= self.data.nbytes
-        allocated["arrays"] -= 1
 
 
 class ndarray:
@@ -64,7 +62,6 @@ class ndarray:
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
-    device = property(lambda self: _DeviceRef(self._buffer.device))
     T = property(lambda self: self.transpose())
 
     def __len__(self):
@@ -212,18 +209,9 @@ for _name, _ufunc in (("neg", np.negative), ("pos", np.positive), ("abs", np.abs
 ndarray.__hash__ = None
 
 
-class _DeviceRef:
-    def __init__(self, index):
-        self.id = index
-
-    def __repr__(self):
-        return f"<CUDA Device {self.id}>"
-
-
 class _Pointer:
     def __init__(self, array):
         self.ptr = array._a.__array_interface__["data"][0]
-        self.device_id = array._buffer.device
 
 
 # -- the one way an operation runs ------------------------------------------------------------

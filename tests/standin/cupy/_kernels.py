@@ -1,7 +1,7 @@
 """What each of ringcomm's CUDA kernels computes, in numpy, written from the kernel's side:
 the arguments exactly as a launch passes them (flat arrays, the scalars' own types, n).
 
-The stand-in's ``RawKernel`` runs these; ``tests/unit/test_kernels.py`` checks each against
+The stand-in's ``RawKernel`` runs these (entry points named by ``PREFIXES``); ``tests/unit/test_kernels.py`` checks each against
 the kernel's PTX signature and the references, and ``tests/gpu`` the real kernels against
 the references on a GPU.
 """
@@ -92,16 +92,3 @@ def model(name, grid, block, a):
         else:
             raise AssertionError(f"no model for {name}")
     assert n == a[0].size, f"{name}: n={n} for {a[0].size} elements"
-
-
-class _Models(dict):
-    def __contains__(self, name):
-        return name.startswith(PREFIXES)
-
-    def __getitem__(self, name):
-        if name not in self:
-            raise KeyError(name)
-        return model
-
-
-MODELS = _Models()

@@ -6,8 +6,6 @@ is queued on the stream and carried out only when something forces it, in stream
 - ``stream.synchronize()``, ``event.synchronize()``, ``Device.synchronize()``: the host waits;
 - an operation queued on stream B after ``B.wait_event(e)`` first completes e's stream up to
   the point where ``e`` was recorded;
-- ``.done`` of an event or a stream: answers whether the work had run, then lets it run
-  (a GPU left alone gets there eventually; a poller sees "not yet" first);
 - on the legacy null stream (the default unless ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``)
   CUDA's implicit order: null-stream work follows earlier work of every *blocking* stream of
   its device, and a blocking stream's work follows earlier null-stream work. Streams made
@@ -50,7 +48,6 @@ class Stream:
     def __init__(self, null=False, non_blocking=False, ptds=False, device=None):
         self.device_id = current_device() if device is None else device
         self.null, self.non_blocking, self.ptds = null, non_blocking, ptds
-        self.ptr = 0 if null else id(self)
         self._queue = collections.deque()  # (position, fn) not yet carried out
         self._count = 0   # operations queued so far
         self._done = 0    # operations carried out so far
@@ -98,13 +95,6 @@ class Stream:
     def synchronize(self):
         self.run_until(self._count)
 
-    @property
-    def done(self):
-        """Whether the queued work had run; the work then runs (see the module docstring)."""
-        finished = self._done >= self._count
-        self.synchronize()
-        return finished
-
     def record(self, event=None):
         event = event or Event()
         event.record(self)
@@ -118,11 +108,6 @@ class Stream:
         if self.device_id != current_device():
             raise RuntimeError(f"The device that the stream is created on ({self.device_id}) does not "
                                f"match the current device ({current_device()})")
-
-    def use(self):
-        self._check_device()
-        _current_streams()[self.device_id] = self
-        return self
 
     def __enter__(self):
         self._check_device()
@@ -197,13 +182,6 @@ class Event:
         if self._stream is not None:
             self._stream.run_until(self._position)
 
-    @property
-    def done(self):
-        if self._stream is None:
-            return True
-        finished = self._stream._done >= self._position
-        self.synchronize()
-        return finished
 
 
 def synchronize_device(device_id=None):
@@ -216,44 +194,32 @@ def synchronize_device(device_id=None):
 
 # -- host memory CUDA knows about --------------------------------------------------------------
 
-_pinned = {}  # start address -> (end address, what: "allocated" or "registered")
-pinned_bytes = {"allocated": 0, "registered": 0}
+_pinned = {}  # start address -> end address
+pinned_bytes = {"allocated": 0}  # by kind: only cupyx's pinned allocations so far
 
 
 def _address(host):
     return host.__array_interface__["data"][0]
 
 
-def pin(host, kind="allocated"):
+def pin(host):
+    """Count ``host`` (a fresh numpy allocation) as page-locked until it is freed."""
     start = _address(host)
     with LOCK:
-        _pinned[start] = (start + host.nbytes, kind)
-        pinned_bytes[kind] += host.nbytes
-    if kind == "allocated":
-        weakref.finalize(host, unpin, start)
+        _pinned[start] = start + host.nbytes
+        pinned_bytes["allocated"] += host.nbytes
+    weakref.finalize(host, _unpin, start)
 
 
-def unpin(start):
+def _unpin(start):
     with LOCK:
-        entry = _pinned.pop(start, None)
-        if entry is None:
-            raise CUDARuntimeError("cudaErrorHostMemoryNotRegistered")
-        pinned_bytes[entry[1]] -= entry[0] - start
+        pinned_bytes["allocated"] -= _pinned.pop(start) - start
 
 
 def is_pinned(host):
     start, end = _address(host), _address(host) + host.nbytes
     with LOCK:
-        return any(s <= start and end <= e for s, (e, _) in _pinned.items())
-
-
-def register(ptr, size):
-    """cudaHostRegister of ``size`` bytes at ``ptr``."""
-    with LOCK:
-        if any(s < ptr + size and ptr < e for s, (e, _) in _pinned.items()):
-            raise CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
-        _pinned[ptr] = (ptr + size, "registered")
-        pinned_bytes["registered"] += size
+        return any(s <= start and end <= e for s, e in _pinned.items())
 
 
 def report(path):

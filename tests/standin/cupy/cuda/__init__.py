@@ -10,7 +10,6 @@ class Device:
         if not 0 <= self.id < rt.DEVICE_COUNT:
             raise runtime.CUDARuntimeError(f"cudaErrorInvalidDevice: {self.id}")
         self.attributes = {"MultiProcessorCount": 4}
-        self.compute_capability = "90"
 
     def use(self):
         rt.set_device(self.id)
@@ -26,22 +25,10 @@ class Device:
     def synchronize(self):
         rt.synchronize_device(self.id)
 
-    @property
-    def mem_info(self):
-        return (80 << 30, 80 << 30)
-
 
 class Stream(rt.Stream):
     def __init__(self, null=False, non_blocking=False, ptds=False):
         super().__init__(null=null, non_blocking=non_blocking, ptds=ptds)
-
-
-class _NullStream:
-    def __get__(self, obj, cls):
-        return rt.null_stream(rt.current_device())
-
-
-Stream.null = _NullStream()
 
 
 def get_current_stream(device_id=None):
