@@ -84,8 +84,9 @@ class Call:
                 transport.raise_news(comm.comm_id)
             else:
                 transport.pump(0)
-            if self.device.staged:  # the host device has nothing to order
-                deferred = self._on_device(self.ready, lambda: self.body(link), lambda d: d is None)
+            if self.device.staged:  # the host device has nothing to order or stage
+                deferred = self._on_device(self.ready, lambda: _drained(link, self.body(link)),
+                                           lambda d: d is None)
             else:
                 deferred = self.body(link)
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
@@ -135,7 +136,8 @@ class Call:
 
         def finishing():
             try:  # the submission's event was waited for in run: no ready event here
-                done = self._on_device(None, progress, bool) if staged else progress()
+                done = self._on_device(None, lambda: _drained(link, progress()), bool) \
+                    if staged else progress()
             except SignatureMismatch as exc:
                 raise describe_mismatch(self.what, link.ranks[link.rank], exc) from None
             if done:
@@ -150,3 +152,10 @@ class Call:
             transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)
         except Exception:  # noqa: BLE001 - the original error is what matters
             pass
+
+
+def _drained(link, outcome):
+    """``outcome`` of a body or progress step, once the segments it staged are all handed to
+    the transport: none may wait across another call's work."""
+    link.drain()
+    return outcome

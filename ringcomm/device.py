@@ -3,9 +3,11 @@ work is ordered with the caller's.
 
 Words: a **host** array lives in CPU memory (numpy); a **device** array lives on the
 worker's accelerator (CuPy). ZeroMQ and the shared-memory lanes move host bytes only, so a
-device segment is *staged*: copied into the **staging buffer** — one page-locked ("pinned")
-host buffer, allocated once — before it is sent, and a received segment is copied from the
-host into device memory before it is reduced there.
+device segment is *staged*: copied into a **staging buffer** — one of two page-locked
+("pinned") host buffers, allocated once — before it is sent, and a received segment is
+copied from the host into device memory before it is used there: straight into its
+destination when it has one (a broadcast, an all-gather), else into the **landing buffer**,
+one device buffer reused by every segment that is reduced on arrival.
 
 Three devices share one staging path (:class:`StagedDevice`), so the code that runs on a GPU
 is the code the CPU tests exercise:
@@ -31,16 +33,21 @@ is the code the CPU tests exercise:
    next see the result without the host blocking; ``Work.synchronize()`` blocks the host
    until the event has passed.
 
-Staging a segment out copies it on the communication stream and waits for that copy before
-the bytes go to the transport; a received segment is copied in on the same stream, so the
-kernel that reduces it follows it.
-
-The transport copies a staged segment (into ZeroMQ's buffer or a lane's slot) before
-``send`` returns, so one staging buffer is enough and is free again at once: nothing ever
-waits on a send that a dead peer will never complete.
+Staging is double-buffered: :meth:`StagedDevice.stage_out` queues a segment's copy to the
+host on the communication stream and returns at once with an event; the link hands a
+staged segment to the transport once its event has passed, polling it as it stages the next
+one, so the copy of segment k+1 runs while segment k is handed over. Before the rank waits
+for a message, and when a call's body ends, every staged segment is handed over (waiting
+for its copy): a segment never waits on a receive, so staging cannot deadlock a schedule.
+The transport copies a segment (into ZeroMQ's buffer or a lane's slot) before ``send``
+returns, so a staging buffer is free again as soon as its segment is handed over. A
+received segment is copied in on the same stream, so the kernel that reduces it follows
+it, and the next copy into the landing buffer follows that kernel.
 
 >>> dev = select("emulated", local_rank=0)
->>> host = dev.stage_out(np.arange(4.0))    # a copy in the pinned buffer, ready for the wire
+>>> dev.activate()
+>>> staged = dev.stage_out(np.arange(4.0))  # a copy into a pinned buffer, started
+>>> staged.wait(); wire = staged.host        # ... finished: the bytes for the transport
 """
 import contextlib
 import logging
@@ -60,15 +67,6 @@ class HostDevice:
 
     def is_array(self, x):
         return isinstance(x, np.ndarray)
-
-    def stage_out(self, array):
-        """Host bytes to send for ``array`` (flat, contiguous); for a staged device they are
-        valid until the next call, so the caller must have them copied before that."""
-        return array
-
-    def stage_in(self, host):
-        """A device array holding the received host array ``host``."""
-        return host
 
     def activate(self):
         """Make this the current device of the calling thread (before each collective)."""
@@ -91,37 +89,82 @@ class HostDevice:
         """On the waiting thread: order what it does next after ``done`` (see the module)."""
 
 
+class Staged:
+    """A segment on its way to the wire: ``host`` (its bytes in a staging buffer) is valid
+    once the copy has finished (``done()`` polls, ``wait()`` blocks)."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, host, event=None):
+        self.host, self.event = host, event
+
+    def done(self):
+        return self.event is None or self.event.done
+
+    def wait(self):
+        if self.event is not None:
+            self.event.synchronize()
+
+
 class StagedDevice(HostDevice):
-    """Staging through one reused pinned buffer; subclasses move bytes between device and host."""
+    """Staging through :attr:`BUFFERS` reused pinned buffers, and received segments landing
+    in their destination or one reused device buffer; subclasses move the bytes."""
 
     staged = True
+    BUFFERS = 2  # copy k+1 to the host while segment k is handed to the transport
 
     def __init__(self, slot_bytes=1 << 20):
         self.slot_bytes = slot_bytes
-        self._buffer = self._pinned(slot_bytes)
+        self._buffers = [self._pinned(slot_bytes) for _ in range(self.BUFFERS)]
+        self._next = 0
+        self._landing = None  # the device buffer a segment without a destination lands in
         self.copies_out = self.copies_in = 0
 
     def stage_out(self, array):
+        """Start copying ``array`` (flat, contiguous, on the device) into the next staging
+        buffer; returns its :class:`Staged`. Buffers are taken in turn, so the caller must
+        have handed the segment staged :attr:`BUFFERS` calls ago to the transport (which
+        copies it) before staging another."""
         nbytes = array.nbytes
         if nbytes > self.slot_bytes:
             raise ValueError(f"segment of {nbytes} bytes exceeds the {self.slot_bytes}-byte staging buffer")
-        host = self._buffer[:nbytes].view(array.dtype)
-        self._to_host(array, host)
+        host = self._buffers[self._next][:nbytes].view(array.dtype)
+        staged = Staged(host, self._to_host(array, host))
+        self._next = (self._next + 1) % self.BUFFERS
         self.copies_out += 1
-        return host
+        return staged
 
-    def stage_in(self, host):
+    def stage_in(self, host, into=None):
+        """The received host array ``host`` on the device: copied into ``into`` (a device
+        array of its shape and dtype), or else into the landing buffer, which the next
+        ``stage_in`` overwrites: use what it returns before receiving again (the device
+        reads it in stream order, before the next copy lands)."""
         self.copies_in += 1
-        return self._to_device(host)
+        if into is None or not into.flags.c_contiguous:
+            landing = self._landing
+            if landing is None or landing.nbytes < host.nbytes:
+                landing = self._landing = self._device_bytes(max(host.nbytes, self.slot_bytes))
+            target = landing[:host.nbytes].view(host.dtype)
+            self._to_device(host, target)
+            if into is None:
+                return target
+            into[...] = target  # a strided destination: one copy on the device
+            return into
+        self._to_device(host, into)
+        return into
 
     # -- what a concrete device provides ----------------------------------------------------
     def _pinned(self, nbytes):
         raise NotImplementedError
 
-    def _to_host(self, array, host):
+    def _device_bytes(self, nbytes):
         raise NotImplementedError
 
-    def _to_device(self, host):
+    def _to_host(self, array, host):
+        """Start the copy; returns an event to poll, or None when the bytes are there."""
+        raise NotImplementedError
+
+    def _to_device(self, host, out):
         raise NotImplementedError
 
 
@@ -147,13 +190,16 @@ class EmulatedDevice(StagedDevice):
     def _pinned(self, nbytes):
         return np.empty(nbytes, np.uint8)
 
+    def _device_bytes(self, nbytes):
+        return np.empty(nbytes, np.uint8)
+
     def _to_host(self, array, host):
         self._current()
         np.copyto(host, array)
 
-    def _to_device(self, host):
+    def _to_device(self, host, out):
         self._current()
-        return np.array(host, copy=True)
+        np.copyto(out, host)
 
 
 class CudaDevice(StagedDevice):
@@ -177,13 +223,15 @@ class CudaDevice(StagedDevice):
         import cupyx
         return cupyx.empty_pinned(nbytes, np.uint8)
 
-    def _to_host(self, array, host):
-        array.get(stream=self.stream, out=host)  # blocking: the bytes are there on return
+    def _device_bytes(self, nbytes):
+        return self.cupy.empty(nbytes, np.uint8)
 
-    def _to_device(self, host):
-        out = self.cupy.empty(host.shape, host.dtype)
+    def _to_host(self, array, host):
+        array.get(stream=self.stream, out=host, blocking=False)
+        return self.stream.record(self._event())
+
+    def _to_device(self, host, out):
         out.set(host, stream=self.stream)
-        return out
 
     def ready(self):
         # the submitting thread's stream *of this device*: a thread that never made the
@@ -300,4 +348,4 @@ def cast_into(dst, src):
         copy_into(dst, src)
         return
     from . import kernels
-    kernels.scale_cast(src, dst)
+    kernels.cast_to_half(src, dst)

@@ -8,8 +8,10 @@ the group (inside each host, then across hosts) gets a :class:`SubLink` for each
 
 >>> # rank 1 of a group of 2, in collective #7:
 >>> link.send(0, step=0, segment=0, array=x[:4]); y = link.recv(0, 0, 0, count=4)
+>>> link.recv(0, 0, 1, into=x[4:8])     # straight into x[4:8]
 >>> rail = link.sub((1, 3), phase=2)   # on group rank 3: rail.rank == 1, rail.send(0, ...) -> rank 1
 """
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +47,8 @@ AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches 
 
 class Link:
     __slots__ = ("transport", "ranks", "rank", "size", "comm_id", "space", "seq", "sig", "dtype",
-                 "segment_bytes", "deadline", "what", "stats", "device", "topology", "_remote")
+                 "segment_bytes", "deadline", "what", "stats", "device", "topology", "_remote",
+                 "_staged")
 
     def __init__(self, transport, *, ranks, rank, comm_id, space, seq, sig, dtype,
                  segment_bytes, deadline, what, stats, device=HOST, topology=None):
@@ -57,7 +60,8 @@ class Link:
         self.dtype = np.dtype(dtype)
         self.segment_bytes = segment_bytes
         self.deadline, self.what, self.stats = deadline, what, stats
-        self.device = device  # stages device segments through a pinned host buffer
+        self.device = device  # stages device segments through pinned host buffers
+        self._staged = deque()  # (global rank, key, Staged) not yet handed to the transport
         # which group ranks share which host (None: all of them share this one)
         self.topology = topology
         self._remote = None if topology is None else topology.remote
@@ -66,26 +70,77 @@ class Link:
 
     def send(self, peer, step, segment, array, copy=False):
         """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
-        zero-copy unless ``copy``: do not modify them before the collective ends."""
+        zero-copy unless ``copy``: do not modify them before the collective ends. A device
+        segment is staged (see ringcomm.device): its copy to the host starts here and it is
+        handed to the transport once that copy is done, at the latest before this rank next
+        waits for a message or the call's body ends."""
         key = new_key((self.comm_id, self.space, self.seq, step, segment))
-        device = self.device
-        if device.staged:
-            # a staged segment is copied by the transport before send returns: the staging
-            # buffer is free again at once
-            array, copy = device.stage_out(array), True
-        self.transport.send(self.ranks[peer], key, self.sig, array.view(np.uint8), copy=copy)
+        if self.device.staged:
+            self._stage(self.ranks[peer], key, array)
+        else:
+            self.transport.send(self.ranks[peer], key, self.sig, array.view(np.uint8), copy=copy)
         stats = self.stats
         stats.bytes_sent += array.nbytes
         stats.messages_sent += 1
         if self._remote is not None and self._remote[peer]:
             stats.bytes_sent_inter_host += array.nbytes
 
-    def recv(self, peer, step, segment, count, wait=True):
+    def _stage(self, dst, key, array):
+        staged = self._staged
+        if len(staged) == self.device.BUFFERS:  # its staging buffer is the one taken next
+            self._hand_over(*staged.popleft())
+        staged.append((dst, key, self.device.stage_out(array)))
+        while staged and staged[0][2].done():  # poll: the copies that have finished go out
+            self._hand_over(*staged.popleft())
+
+    def _hand_over(self, dst, key, staged):
+        staged.wait()
+        # the transport copies before send returns: the staging buffer is free again at once
+        self.transport.send(dst, key, self.sig, staged.host.view(np.uint8), copy=True)
+
+    def _take_staging(self, src, key, wait):
+        """:meth:`_take` while segments are staged: hand over those whose copies have
+        finished, take the message if it is here (the other copies go on meanwhile), else
+        hand the oldest over, waiting for its copy; once all are out, wait as usual. No
+        staged segment waits on the message, and the host never spins on a copy."""
+        staged = self._staged
+        while staged:
+            while staged and staged[0][2].done():
+                self._hand_over(*staged.popleft())
+            self.transport.pump(0)
+            payload = self._take(src, key, wait=False)
+            if payload is not None or not wait:
+                return payload
+            if staged:
+                self._hand_over(*staged.popleft())
+        return self._take(src, key, wait)
+
+    @property
+    def staged_bytes(self):
+        """Bytes staged here but not yet handed to the transport (flow control counts them)."""
+        return sum(staged.host.nbytes for _, _, staged in self._staged)
+
+    def drain(self):
+        """Hand every staged segment to the transport, waiting for its copy."""
+        staged = self._staged
+        while staged:
+            self._hand_over(*staged.popleft())
+
+    def recv(self, peer, step, segment, count=None, wait=True, into=None):
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
-        array over the received buffer (on the device, for device collectives). With
-        ``wait=False``: ``None`` if not arrived yet."""
+        array over the received buffer, or, for device collectives, a device array in the
+        landing buffer that the next receive overwrites (use it first). With ``into`` (a
+        flat array of ``count`` elements) they are copied straight there and ``into`` is
+        returned. With ``wait=False``: ``None`` if not arrived yet."""
+        if count is None:
+            if into is None:
+                raise TypeError("recv needs count or into")
+            count = into.size
         key = new_key((self.comm_id, self.space, self.seq, step, segment))
-        payload = self._take(self.ranks[peer], key, wait)
+        if self._staged:
+            payload = self._take_staging(self.ranks[peer], key, wait)
+        else:
+            payload = self._take(self.ranks[peer], key, wait)
         if payload is None:
             return None
         nbytes = memoryview(payload).nbytes
@@ -102,7 +157,12 @@ class Link:
         if self._remote is not None and self._remote[peer]:
             stats.bytes_received_inter_host += nbytes
         received = np.frombuffer(payload, self.dtype, count)
-        return self.device.stage_in(received) if self.device.staged else received
+        if self.device.staged:
+            return self.device.stage_in(received, into)
+        if into is None:
+            return received
+        into[...] = received
+        return into
 
     def sub(self, members, phase):
         """A :class:`SubLink` over the group ranks ``members`` (this rank among them)."""
@@ -114,6 +174,7 @@ class Link:
         message latency and n−1 empty messages per rank."""
         key = Key(self.comm_id, self.space, self.seq, AGREE_STEP, 0)
         others = [r for i, r in enumerate(self.ranks) if i != self.rank]
+        self.drain()
         for peer in others:
             self.transport.send(peer, key, self.sig, b"")
         for peer in others:
@@ -173,5 +234,5 @@ class SubLink:
     def send(self, peer, step, segment, array, copy=False):
         self.parent.send(self.members[peer], self._base | step, segment, array, copy)
 
-    def recv(self, peer, step, segment, count, wait=True):
-        return self.parent.recv(self.members[peer], self._base | step, segment, count, wait)
+    def recv(self, peer, step, segment, count=None, wait=True, into=None):
+        return self.parent.recv(self.members[peer], self._base | step, segment, count, wait, into)

@@ -36,7 +36,7 @@ def send(link, flat, dst, tag):
     def progress():
         while todo:
             j, sl = todo[0]
-            if not transport.window_open(flow, (sl.stop - sl.start) * flat.itemsize):
+            if not transport.window_open(flow, (sl.stop - sl.start) * flat.itemsize, link.staged_bytes):
                 transport.check(peer, link.deadline, f"{link.what}: rank {peer} has not received "
                                 f"what this rank sent before on tag {tag} (flow-control window "
                                 f"of {transport.window} bytes full)")
@@ -54,10 +54,8 @@ def recv(link, flat, src, tag):
     def progress():
         while todo:
             j, sl = todo[0]
-            data = link.recv(src, tag, j, sl.stop - sl.start, wait=False)
-            if data is None:
+            if link.recv(src, tag, j, wait=False, into=flat[sl]) is None:
                 return False
-            flat[sl] = data
             todo.popleft()
         return True
     return Deferred(progress)

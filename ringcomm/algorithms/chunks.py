@@ -64,4 +64,4 @@ def send_segments(link, peer, step, src):
 def receive_segments(link, peer, step, dst):
     """Fill flat ``dst`` with what :func:`send_segments` sent from ``peer`` in ``step``."""
     for j, sl in enumerate(segments(dst.size, dst.itemsize, link.segment_bytes)):
-        dst[sl] = link.recv(peer, step, j, sl.stop - sl.start)
+        link.recv(peer, step, j, into=dst[sl])

@@ -47,7 +47,7 @@ def all_reduce(link, x, op):
         for j, sl in enumerate(segs):
             link.send(r - p, 0, j, x[sl])
         for j, sl in enumerate(segs):
-            x[sl] = link.recv(r - p, last, j, sl.stop - sl.start)
+            link.recv(r - p, last, j, into=x[sl])
         return
     if r + p < n:
         for j, sl in enumerate(segs):

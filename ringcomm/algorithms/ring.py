@@ -39,13 +39,14 @@ from .chunks import receive_segments, segment_table, segments, send_segments
 _EMPTY = np.empty(0, np.uint8)
 
 
-def _pipeline(link, nsteps, nseg, first, count, on_receive, start=0):
+def _pipeline(link, nsteps, nseg, first, count, on_receive, start=0, into=None):
     """Drive ring steps ``start`` .. ``start + nsteps − 1`` of ``nseg`` segments each, wave
     by wave.
 
     ``first(j)``: what to send in step ``start`` for segment j. ``count(step, j)``: how many
-    elements arrive. ``on_receive(step, j, data)``: use them; returns what to forward in
-    step+1.
+    elements arrive. ``into(step, j)``: where they land (None: a received buffer that the
+    next receive may reuse). ``on_receive(step, j, data)``: use them; returns what to
+    forward in step+1.
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -55,7 +56,8 @@ def _pipeline(link, nsteps, nseg, first, count, on_receive, start=0):
             link.send(right, start, wave, first(wave))
         for j in range(max(0, wave - nsteps + 1), min(wave, nseg - 1) + 1):
             step = start + wave - j
-            forward = on_receive(step, j, link.recv(left, step, j, count(step, j)))
+            dst = into(step, j) if into else None
+            forward = on_receive(step, j, link.recv(left, step, j, count(step, j), into=dst))
             if step + 1 < stop:
                 link.send(right, step + 1, j, forward)
 
@@ -107,12 +109,13 @@ def _all_reduce_steps(link, x, op, table, start, stop):
             reduce_into(op, seg, data)
             if step == n - 2:  # this chunk is now finished here
                 finalize(op, seg, n)
-        else:
-            seg[...] = data
-        return seg
+        return seg  # in the all-gather steps the data landed in seg
+
+    def landing(step, j):  # the all-gather steps receive straight into x
+        return x[chunk_of(step)[j]] if step >= n - 1 else None
 
     _pipeline(link, stop - start, len(table[0]), lambda j: x[chunk_of(start - 1)[j]],
-              lambda step, j: _length(chunk_of(step)[j]), on_receive, start)
+              lambda step, j: _length(chunk_of(step)[j]), on_receive, start, landing)
 
 
 def reduce_scatter(link, out, x, op):
@@ -153,13 +156,12 @@ def all_gather(link, out, x):
         return
     table = chunk_table(out, link)
 
-    def on_receive(step, j, data):
-        seg = out[table[(r - step - 1) % n][j]]
-        seg[...] = data
-        return seg
+    def segment(step, j):
+        return out[table[(r - step - 1) % n][j]]
 
     _pipeline(link, n - 1, len(table[0]), lambda j: out[table[r][j]],
-              lambda step, j: _length(table[(r - step - 1) % n][j]), on_receive)
+              lambda step, j: _length(table[(r - step - 1) % n][j]),
+              lambda step, j, data: data, into=segment)
 
 
 def broadcast(link, x, root):
@@ -172,7 +174,7 @@ def broadcast(link, x, root):
     pos = (r - root) % n
     for j, sl in enumerate(segments(x.size, x.itemsize, link.segment_bytes)):
         if pos > 0:
-            x[sl] = link.recv((r - 1) % n, 0, j, _length(sl))
+            link.recv((r - 1) % n, 0, j, into=x[sl])
         if pos < n - 1:
             link.send((r + 1) % n, 0, j, x[sl])
 

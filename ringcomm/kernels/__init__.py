@@ -5,12 +5,11 @@ kernel does:
 
 - ``reduce(op, acc, incoming)``, ``finalize(op, acc, n)``, ``scale(x, factor)``,
   ``divide(x, divisor)`` -- ``reduce.cu``;
-- ``adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
-  param_out=None, clip_coef=1.0, skip_if_nonfinite=True) -> found_inf``,
-  ``grad_overflow(grad, loss_scale)`` -- ``adam.cu``;
-- ``scale_cast(src, dst, scale=1.0)``, ``unscale(src, dst, loss_scale, found=None) ->
-  found_inf``, ``found_nonfinite(x, found=None)`` -- ``cast.cu`` (``found``: a device flag
-  the kernel ORs into, so the answer stays on the GPU);
+- ``adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step)`` --
+  ``adam.cu``;
+- ``cast_to_half(src, dst)``, ``unscale(src, dst, loss_scale, found=None) -> found_inf``,
+  ``found_nonfinite(x, found=None)`` -- ``cast.cu`` (``found``: a device flag the kernel ORs
+  into, so the answer stays on the GPU);
 - ``sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=float64)``,
   ``sq_norm(x, loss_scale=1.0, on_device=False) -> float`` -- ``norm.cu``.
 
@@ -45,8 +44,8 @@ def _entry_points():
     reduce_entries += [f"{kind}_{sfx}" for kind in ("scale", "divide") for sfx in ("f16", "f32", "f64")]
     return {
         "reduce": tuple(reduce_entries),
-        "adam": ("adam_unscale_check_f16", "adam_unscale_check_f32", "adam_step_f16", "adam_step_f32"),
-        "cast": ("cast_f32_to_f16", "cast_f16_to_f32", "unscale_f16_to_f32", "unscale_f32",
+        "adam": ("adam_step_f32",),
+        "cast": ("cast_f32_to_f16", "unscale_f16_to_f32", "unscale_f32",
                  "find_nonfinite_f16", "find_nonfinite_f32", "find_nonfinite_f64"),
         "norm": tuple(f"sq_norm_partial_{_SUFFIX[i]}_{_SUFFIX[a]}" for i, a in
                       (("float16", "float32"), ("float16", "float64"), ("float32", "float32"),
@@ -256,75 +255,38 @@ def finalize(op, acc, n):
 
 # -- adam.cu ------------------------------------------------------------------------------------
 
-def grad_overflow(grad, loss_scale):
-    """True if ``fp32(grad) / loss_scale`` has an inf or NaN (the CPU path's overflow check),
-    without writing the unscaled gradient anywhere."""
-    if not _on_gpu(grad):
-        return reference.grad_overflow(grad, loss_scale)
-    cp = _cupy()
-    _need_dtype(grad, "grad", "float16", "float32")
-    found = _flag(cp)
-    flat = _flat(grad, "grad")
-    _launch("adam", f"adam_unscale_check_{_SUFFIX[grad.dtype.name]}", flat.size,
-            (flat, np.float32(float(loss_scale)), found, np.int64(flat.size)))
-    return _flag_result(found)
-
-
-def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
-              param_out=None, clip_coef=1.0, skip_if_nonfinite=True):
-    """One fused Adam step; returns ``found_inf`` (True: inf/NaN in the unscaled gradient,
-    nothing changed). ``skip_if_nonfinite=False``: the caller has decided to take the step
-    (e.g. after agreeing on overflow across ranks); no check, returns False. See
-    :func:`.reference.adam_step` for the exact semantics.
-
-    On CuPy arrays: the overflow check and the update are two launches on the current stream
-    (the update reads the flag on the device), then one synchronisation to return the flag;
-    with ``skip_if_nonfinite=False`` one launch and no synchronisation."""
+def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    """One fused Adam step, in place on the fp32 ``master``, ``m`` and ``v``, from the fp32
+    ``grad`` (already unscaled and clipped; not modified); see :func:`.reference.adam_step`.
+    On CuPy arrays: one launch on the current stream, nothing waits for the GPU."""
     ref = reference
-    if not _on_gpu(master, grad, m, v, param_out):
-        return ref.adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step,
-                             loss_scale, param_out=param_out, clip_coef=clip_coef,
-                             skip_if_nonfinite=skip_if_nonfinite)
-    cp = _cupy()
-    for x, name in ((master, "master"), (m, "m"), (v, "v")):
+    if not _on_gpu(master, grad, m, v):
+        return ref.adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step)
+    named = (("master", master), ("grad", grad), ("m", m), ("v", v))
+    for name, x in named:
         _need_dtype(x, name, "float32")
-    _need_dtype(grad, "grad", "float16", "float32")
-    if param_out is not None:
-        _need_dtype(param_out, "param_out", "float16")
-    _same_size(master=master, grad=grad, m=m, v=v, param_out=param_out)
-    s = ref.adam_scalars(lr, beta1, beta2, eps, weight_decay, step, loss_scale, clip_coef)
+    _same_size(**dict(named))
+    s = ref.adam_scalars(lr, beta1, beta2, eps, weight_decay, step)
     n = master.size
-    flat = [_flat(x, name) for x, name in ((master, "master"), (grad, "grad"), (m, "m"), (v, "v"))]
-    sfx = _SUFFIX[grad.dtype.name]
-    found = _flag(cp)
-    if skip_if_nonfinite:
-        _launch("adam", f"adam_unscale_check_{sfx}", n,
-                (flat[1], np.float32(s["loss_scale"]), found, np.int64(n)))
-    out = _flat(param_out, "param_out") if param_out is not None else cp.empty(1, np.float16)
     f32 = np.float32
-    _launch("adam", f"adam_step_{sfx}", n, (
-        flat[0], flat[1], flat[2], flat[3], out, np.int32(param_out is not None), found,
-        f32(s["loss_scale"]), f32(s["clip_coef"]), f32(s["weight_decay"]),
-        np.int32(s["use_weight_decay"]), f32(s["beta1"]), f32(s["one_minus_beta1"]),
-        f32(s["beta2"]), f32(s["one_minus_beta2"]), f32(s["step_size"]),
-        f32(s["bias_correction2_sqrt"]), f32(s["eps"]), np.int64(n)))
-    return _flag_result(found) if skip_if_nonfinite else False
+    _launch("adam", "adam_step_f32", n, (
+        *(_flat(x, name) for name, x in named),
+        f32(s["weight_decay"]), np.int32(s["use_weight_decay"]), f32(s["beta1"]),
+        f32(s["one_minus_beta1"]), f32(s["beta2"]), f32(s["one_minus_beta2"]),
+        f32(s["step_size"]), f32(s["bias_correction2_sqrt"]), f32(s["eps"]), np.int64(n)))
 
 
 # -- cast.cu ------------------------------------------------------------------------------------
 
-def scale_cast(src, dst, scale=1.0):
-    """``dst[...] = src * scale`` between fp32 and fp16 (product in fp32, one rounding);
-    returns ``dst``."""
+def cast_to_half(src, dst):
+    """``dst[...] = src`` from fp32 to fp16 (round to nearest even, as numpy); returns ``dst``."""
     if not _on_gpu(src, dst):
-        return reference.scale_cast(src, dst, scale)
+        return reference.cast_to_half(src, dst)
+    _need_dtype(src, "src", "float32")
+    _need_dtype(dst, "dst", "float16")
     _same_size(src=src, dst=dst)
-    pair = (src.dtype.name, dst.dtype.name)
-    entry = {("float32", "float16"): "cast_f32_to_f16", ("float16", "float32"): "cast_f16_to_f32"}.get(pair)
-    if entry is None:
-        raise TypeError(f"scale_cast converts float32 <-> float16, not {pair[0]} -> {pair[1]}")
     a, b = _flat(src, "src"), _flat(dst, "dst")
-    _launch("cast", entry, a.size, (a, b, np.float32(float(scale)), np.int64(a.size)))
+    _launch("cast", "cast_f32_to_f16", a.size, (a, b, np.int64(a.size)))
     return dst
 
 
@@ -415,6 +377,6 @@ def sq_norm(x, loss_scale=1.0, on_device=False):
 
 
 __all__ = ["COMPILE_OPTIONS", "ENTRY_POINTS", "NO_CUDA_FP16", "SOURCES", "THREADS", "adam_step",
-           "backend", "compile_with_fallback", "divide", "finalize", "found_nonfinite",
-           "grad_overflow", "module_source", "reduce", "reference", "scale",
-           "scale_cast", "source_path", "sq_norm", "sq_norm_partial", "unscale"]
+           "backend", "cast_to_half", "compile_with_fallback", "divide", "finalize",
+           "found_nonfinite", "module_source", "reduce", "reference", "scale", "source_path",
+           "sq_norm", "sq_norm_partial", "unscale"]

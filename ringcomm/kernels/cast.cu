@@ -1,9 +1,7 @@
-// Casts between fp32 and fp16 with a scale factor, unscaling with an overflow flag, and
-// finiteness checks.
+// The fp16 copy of fp32 values, unscaling with an overflow flag, and finiteness checks.
 //
-//   cast_f32_to_f16(src, dst, scale, n)   dst[i] = fp16(src[i] * scale)
-//       scale = 1: the fp16 copy of the fp32 master (strategy write_back)
-//   cast_f16_to_f32(src, dst, scale, n)   dst[i] = fp32(src[i]) * scale
+//   cast_f32_to_f16(src, dst, n)          dst[i] = fp16(src[i])
+//       the fp16 parameters from the fp32 master (device.cast_into)
 //   unscale_f16_to_f32(src, dst, loss_scale, found_inf, n)
 //                                         dst[i] = fp32(src[i]) / loss_scale
 //   unscale_f32(x, loss_scale, found_inf, n)
@@ -14,8 +12,8 @@
 //                                         *found |= any(!isfinite(x[i]))
 //
 // Flags are int32, zeroed by the caller; each block writes at most once (__syncthreads_or,
-// then atomicOr). Every product / quotient is one correctly rounded fp32 operation and every
-// fp16 rounding is round-to-nearest-even, as numpy's astype.
+// then atomicOr). Every quotient is one correctly rounded fp32 operation and every fp16
+// rounding is round-to-nearest-even, as numpy's astype.
 
 #include "common.cuh"
 
@@ -35,14 +33,8 @@ __device__ __forceinline__ void find_nonfinite_impl(const T* x, int* found, long
 
 }  // namespace rc
 
-extern "C" __global__ void cast_f32_to_f16(const float* src, rc::half* dst, float scale,
-                                           long long n) {
-    RC_GRID_STRIDE(i, n) { dst[i] = rc::to_half(rc::mul(src[i], scale)); }
-}
-
-extern "C" __global__ void cast_f16_to_f32(const rc::half* src, float* dst, float scale,
-                                           long long n) {
-    RC_GRID_STRIDE(i, n) { dst[i] = rc::mul(rc::to_float(src[i]), scale); }
+extern "C" __global__ void cast_f32_to_f16(const float* src, rc::half* dst, long long n) {
+    RC_GRID_STRIDE(i, n) { dst[i] = rc::to_half(src[i]); }
 }
 
 extern "C" __global__ void unscale_f16_to_f32(const rc::half* src, float* dst, float loss_scale,

@@ -5,11 +5,9 @@ the arithmetic of the CPU code it stands for, bit for bit:
 
 - :func:`reduce`, :func:`scale`, :func:`divide`, :func:`finalize` -- ``reduce.cu``;
   ``ringcomm.ops.reduce_into`` / ``ringcomm.ops.finalize``.
-- :func:`adam_step`, :func:`grad_overflow` -- ``adam.cu``; ``ringcomm.train.optim.Adam.update``
-  calls it (torch.optim.Adam's order of operations); with a loss scale, clipping and
-  ``param_out`` it also does what ``Strategy.update`` does around it (unscale, overflow
-  check, clipping, the fp16 copy of the master).
-- :func:`scale_cast`, :func:`unscale`, :func:`found_nonfinite` -- ``cast.cu``.
+- :func:`adam_step` -- ``adam.cu``; ``ringcomm.train.optim.Adam.update`` calls it
+  (torch.optim.Adam's order of operations).
+- :func:`cast_to_half`, :func:`unscale`, :func:`found_nonfinite` -- ``cast.cu``.
 - :func:`sq_norm_partial`, :func:`sq_norm` -- ``norm.cu``; the squared norm the strategy
   computes for clipping.
 
@@ -78,13 +76,11 @@ def finalize(op, acc, n):
 
 # -- adam.cu -----------------------------------------------------------------------------------
 
-def adam_scalars(lr, beta1, beta2, eps, weight_decay, step, loss_scale, clip_coef=1.0):
-    """The scalars ``adam_step_*`` takes, as the CPU path computes them (Python doubles): the
-    kernel receives each rounded to fp32, which is what numpy does with them."""
+def adam_scalars(lr, beta1, beta2, eps, weight_decay, step):
+    """The scalars ``adam_step_f32`` takes, as the CPU path computes them (Python doubles):
+    the kernel receives each rounded to fp32, which is what numpy does with them."""
     lr, beta1, beta2, eps, step = float(lr), float(beta1), float(beta2), float(eps), int(step)
     return {
-        "loss_scale": float(loss_scale),
-        "clip_coef": float(clip_coef),
         "weight_decay": float(weight_decay),
         "use_weight_decay": bool(weight_decay),
         "beta1": beta1,
@@ -97,34 +93,16 @@ def adam_scalars(lr, beta1, beta2, eps, weight_decay, step, loss_scale, clip_coe
     }
 
 
-def grad_overflow(grad, loss_scale):
-    """True if ``fp32(grad) / loss_scale`` has an inf or NaN: the CPU path's overflow check
-    (``adam_unscale_check_<dtype>``). ``grad`` is not modified."""
-    g = grad.astype(np.float32)
-    g /= float(loss_scale)
-    return not bool(np.isfinite(g).all())
+def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    """One Adam step (step number ``step`` >= 1), in place on the fp32 ``master`` and its fp32
+    state ``m``, ``v``, from the fp32 ``grad`` (already unscaled and clipped; not modified).
 
-
-def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, loss_scale,
-              param_out=None, clip_coef=1.0, skip_if_nonfinite=True):
-    """One Adam step (step number ``step`` >= 1) on the fp32 ``master`` with its fp32 state
-    ``m``, ``v``, from ``grad`` (fp16 or fp32, still multiplied by ``loss_scale``).
-
-    Returns ``found_inf``: True if the unscaled gradient has an inf or NaN, in which case
-    nothing is changed (the step is skipped). Otherwise updates ``master``, ``m``, ``v`` in
-    place and, if given, writes ``param_out[...] = master`` (the fp16 parameters). ``grad`` is
-    never modified. ``clip_coef`` multiplies the unscaled gradient (global-norm clipping).
-
-    ``skip_if_nonfinite=False``: no check, the step is taken and False returned -- for a
-    caller that has already decided, as the trainer does across ranks (overflow on any rank
-    skips the step on all; without loss scaling the CPU path never skips).
+    There is no check: the caller has already decided to take the step (the trainer agrees
+    on overflow across ranks first), so an inf or NaN in ``grad`` reaches the weights, as it
+    does in fp32 training, which has no loss scaler and skips no step.
     """
-    s = adam_scalars(lr, beta1, beta2, eps, weight_decay, step, loss_scale, clip_coef)
-    g = grad.astype(np.float32)  # a copy, as Strategy.update makes
-    g /= s["loss_scale"]
-    if skip_if_nonfinite and not np.isfinite(g).all():
-        return True
-    g *= s["clip_coef"]  # exact when 1
+    s = adam_scalars(lr, beta1, beta2, eps, weight_decay, step)
+    g = grad.astype(np.float32)  # a copy: weight decay adds to it
     if s["use_weight_decay"]:
         g += s["weight_decay"] * master
     m *= s["beta1"]
@@ -135,19 +113,14 @@ def adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, los
     denom /= s["bias_correction2_sqrt"]
     denom += s["eps"]
     master -= s["step_size"] * (m / denom)
-    if param_out is not None:
-        param_out[...] = master
-    return False
 
 
 # -- cast.cu -----------------------------------------------------------------------------------
 
-def scale_cast(src, dst, scale=1.0):
-    """``dst[...] = src * scale``: fp32 -> fp16 (``cast_f32_to_f16``) or fp16 -> fp32
-    (``cast_f16_to_f32``); the product is taken in fp32 and rounded to ``dst.dtype`` once.
-    With ``scale=1`` this is the CPU path's ``flat_params[...] = master``. Returns ``dst``."""
-    product = np.multiply(src.astype(np.float32, copy=False), np.float32(float(scale)))
-    dst[...] = product
+def cast_to_half(src, dst):
+    """``dst[...] = src`` from fp32 to fp16 (``cast_f32_to_f16``), each value rounded to nearest
+    even once: the CPU path's ``flat_params[...] = master``. Returns ``dst``."""
+    dst[...] = src
     return dst
 
 

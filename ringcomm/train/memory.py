@@ -17,7 +17,9 @@ dp         rank 0 as ddp,         (parameter server: only rank 0
 =========  =====================  ===============================
 
 With ``offload`` the optimizer state lives in host memory instead (category
-``optimizer_host``), so it leaves the device total.
+``optimizer_host``), so it leaves the device total; offloaded from a GPU, the host also
+keeps the fp32 master and the *host shard* (p bytes per parameter of the shard) through
+which gradients come down and parameters go up.
 
     python -m ringcomm.memory --params 7.5e9 --world-size 64 --k 12
     # ddp 120.0 GB, zero1 31.4 GB, zero2 16.6 GB, zero3 1.9 GB   (ZeRO paper, Figure 1)

@@ -40,9 +40,8 @@ class Adam:
         is not modified. The order of operations is torch.optim.Adam's."""
         b1, b2 = self.betas
         m, v = self.m[offset:offset + param.size], self.v[offset:offset + param.size]
-        # the step is decided (overflow was agreed across ranks): no check, no skip
-        kernels.adam_step(param, grad, m, v, self.lr, b1, b2, self.eps, self.weight_decay, self.t,
-                          loss_scale=1.0, skip_if_nonfinite=False)
+        # nothing is checked here: whether to step was agreed across ranks before (Strategy.update)
+        kernels.adam_step(param, grad, m, v, self.lr, b1, b2, self.eps, self.weight_decay, self.t)
 
     def state(self):
         return {"m": self.m, "v": self.v, "t": np.array(self.t)}

@@ -174,7 +174,9 @@ def table(job, per_rank):
         lines.append("optimizer state is offloaded to host memory: it is not part of the device total")
     if strategy.name.startswith("zero"):
         phi = per_rank[0]["num_params"]
-        ddp = device_total(predicted("ddp", phi, strategy.n, e, e, strategy.k_bytes()))
+        # DDP keeps an fp32 master only in mixed precision, and its state on the device
+        ddp_k = (4 if strategy.mixed else 0) + strategy.optimizer.state_bytes
+        ddp = device_total(predicted("ddp", phi, strategy.n, e, e, ddp_k))
         mine = device_total(per_rank[0]["predicted_model_state_bytes"])
         lines.append(f"DDP would need {_mib(ddp).strip()} MiB on rank 0 for the same parameters; "
                      f"{strategy.name} uses {_mib(mine).strip()} MiB ({ddp / max(1, mine):.1f}x less)")

@@ -19,7 +19,12 @@ gradients at 2, parameters at 3.
   the next layer's gather is issued before the current layer computes (prefetch).
   Traffic 3Φ per step.
 - **Offload**: the optimizer state (and the step) live in host memory (category
-  ``optimizer_host``); only gradients go down and parameters come back.
+  ``optimizer_host``); only gradients go down and parameters come back. From a GPU, as in
+  ZeRO-Offload, both crossings overlap other work on a **copy stream** of their own, through
+  the **host shard** (pinned, the parameter dtype, one shard long): a unit's reduced
+  gradient slice starts down as soon as its reduce-scatter finishes, while backward goes
+  on; after the host's Adam step on one unit's slice, that slice (cast to the parameter
+  dtype) starts up while the host updates the next unit.
 """
 import numpy as np
 
@@ -67,6 +72,10 @@ class Zero(Strategy):
         if self.keeps_master():
             self.master = self.reg.alloc(self.optimizer_category, "master shard", lay.shard_total, np.float32)
             copy_into(self.master, lay.own_shard(lay.pack(params, np.float32), r))
+        if self._offloaded_from_device():
+            self.host_shard = self.reg.alloc(self.optimizer_category, "host shard", lay.shard_total, self.dtype)
+            self._copies = self.xp.cuda.Stream(non_blocking=True)  # the copy stream
+            self._unit_at = {u.shard_start: u for u in lay.units}
         self.make_optimizer(lay.shard_total)
         self._countdown = Countdown(lay)
         self._pending = []  # (unit, work) reduce-scatters in flight
@@ -157,7 +166,8 @@ class Zero(Strategy):
         self._pending.append((unit, work))
 
     def _free_finished(self, wait=False):
-        """Record finished reduce-scatters; stage 2+ frees their unit buffers right away."""
+        """Record finished reduce-scatters; stage 2+ frees their unit buffers right away;
+        offloaded from a GPU, each unit's gradient slice starts down to the host."""
         still = []
         for unit, work in self._pending:
             if wait:
@@ -165,12 +175,25 @@ class Zero(Strategy):
             if work.is_completed():
                 work.wait()  # raises its error, if any
                 self.trace.comm(f"reduce_scatter unit {unit.index}", work, bytes=unit.padded * self.dtype.itemsize)
+                if self._offloaded_from_device():
+                    self._grad_down(unit, work)
                 if self.sharded("grads"):
                     del self._unit_grads[unit.index]
                     self.reg.free(f"unit grads {unit.index}")
             else:
                 still.append((unit, work))
         self._pending = still
+
+    def _grad_down(self, unit, work):
+        """Queue the copy of ``unit``'s reduced gradient slice into the host shard on the
+        copy stream, after the reduce-scatter's device work."""
+        if self.sharded("grads"):
+            src = self.layout.shard_view(self.grad_shard, unit)
+        else:
+            src = self.flat_grads[slice(*unit.own_range(self.rank))]
+        with self._copies:
+            work.wait()  # the copy stream, current here, waits for the reduce-scatter
+            src.get(stream=self._copies, out=self.layout.shard_view(self.host_shard, unit), blocking=False)
 
     def finish_backward(self):
         self._countdown.reset()
@@ -192,10 +215,30 @@ class Zero(Strategy):
         """A separate fp32 master shard: in mixed precision, and when the optimizer is
         offloaded from a GPU (the update runs on the host, next to its state; the device
         parameters are written back from it)."""
-        return self.mixed or (self.cfg.offload and self.xp is not np)
+        return self.mixed or self._offloaded_from_device()
+
+    def _offloaded_from_device(self):
+        return self.cfg.offload and self.xp is not np
+
+    def offloaded_grad(self):
+        if not self._offloaded_from_device():
+            return super().offloaded_grad()
+        # every unit's slice started down when its reduce-scatter finished; the step's
+        # decision needs all of them. The parameters go up after the device work queued so
+        # far: today the last reduce-scatter already follows every kernel that reads them,
+        # but a read queued after backward (a hook, an evaluation) must not race the copy
+        self._copies.wait_event(self.xp.cuda.get_current_stream().record(self._event()))
+        self._copies.synchronize()
+        return self.host_shard
+
+    def _event(self):
+        return self.xp.cuda.Event(disable_timing=True)  # ordering only
 
     def master_pieces(self):
         lay = self.layout
+        if self._offloaded_from_device():  # a unit at a time: each goes up as the next is updated
+            return [(self.master[u.shard_start:u.shard_start + u.shard_size], u.shard_start,
+                     u.shard_start + u.shard_size) for u in lay.units]
         if self.keeps_master():
             return [(self.master, 0, lay.shard_total)]
         if self.sharded("params"):
@@ -203,7 +246,21 @@ class Zero(Strategy):
         return [(self.flat_params[slice(*u.own_range(self.rank))], u.shard_start, u.shard_start + u.shard_size)
                 for u in lay.units]
 
+    def piece_updated(self, lo, hi):
+        if not self._offloaded_from_device():
+            return
+        host = self.host_shard[lo:hi]  # its gradient was read: it carries the parameters up
+        host[...] = self.master[lo:hi]  # rounded to the parameter dtype as the cast kernel does
+        if self.sharded("params"):
+            dst = self.param_shard[lo:hi]
+        else:
+            dst = self.flat_params[slice(*self._unit_at[lo].own_range(self.rank))]
+        dst.set(host, stream=self._copies)
+
     def write_back(self):
+        if self._offloaded_from_device():  # what follows on the device waits for the copies up
+            self.xp.cuda.get_current_stream().wait_event(self._copies.record(self._event()))
+            return
         if not self.keeps_master():
             return
         if self.sharded("params"):
@@ -237,6 +294,12 @@ class Zero(Strategy):
         for unit in lay.units:
             self.side.all_gather(full[unit.start:unit.stop], np.ascontiguousarray(lay.shard_view(shard, unit)))
         return [v.copy() for v in lay.views(full)]
+
+    def predicted_bytes(self, rank):
+        out = super().predicted_bytes(rank)
+        if self._offloaded_from_device():  # + the host shard, in the parameter dtype
+            out["optimizer_host"] += self.dtype.itemsize * self.layout.num_params / self.n
+        return out
 
     def predicted_sent_per_step(self, rank):
         """2(N−1)/N·Φ·e; ZeRO-3: (N−1)/N·e·(2M·Σ_layers Φ_layer + Φ), every layer gathering

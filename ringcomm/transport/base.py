@@ -138,9 +138,11 @@ class Transport(ABC):
         communicator id, tag) before the receiver takes any."""
         return self.window - self._unacked[flow]
 
-    def window_open(self, flow, nbytes):
-        """True if ``nbytes`` more may go on ``flow`` now (always when nothing is in flight)."""
-        return self._unacked[flow] == 0 or self._unacked[flow] + nbytes <= self.window
+    def window_open(self, flow, nbytes, staged=0):
+        """True if ``nbytes`` more may go on ``flow`` now (always when nothing is in flight);
+        ``staged``: bytes queued for ``flow`` but not yet handed over, counted as in flight."""
+        in_flight = self._unacked[flow] + staged
+        return in_flight == 0 or in_flight + nbytes <= self.window
 
     def check(self, peer, deadline, what):
         """Raise if ``peer`` is gone or ``deadline`` passed (for a wait outside :meth:`recv`)."""

@@ -50,16 +50,34 @@ def test_collectives_through_staging(emulated, algorithm):
     assert out_after > out_before and in_after > in_before, "nothing went through the staging slots"
 
 
-def test_one_staging_buffer_is_reused_and_each_call_copies():
+def test_two_staging_buffers_are_taken_in_turn_and_each_call_copies():
     dev = EmulatedDevice(slot_bytes=64)
     with pytest.raises(RuntimeError, match="never made the rank's device current"):
         dev.stage_out(np.zeros(2))  # as on a GPU: the thread must make the device current first
     dev.activate()
-    first = dev.stage_out(np.full(4, 1, np.float64))
-    assert np.array_equal(first, np.full(4, 1.0))
-    second = dev.stage_out(np.full(2, 2, np.float64))
-    assert np.shares_memory(first, second), "a new buffer per segment"
-    assert np.array_equal(second, np.full(2, 2.0)) and dev.copies_out == 2
+    staged = [dev.stage_out(np.full(4 - k, k, np.float64)) for k in range(2)]
+    for k, s in enumerate(staged):
+        assert s.done()  # the emulated copy is done at once (a GPU's is polled)
+        assert np.array_equal(s.host, np.full(4 - k, k, np.float64))
+    staged.append(dev.stage_out(np.full(2, 7.0)))
+    assert not np.shares_memory(staged[0].host, staged[1].host), "segment k+1 overwrote segment k"
+    assert np.shares_memory(staged[0].host, staged[2].host), "a new buffer per segment"
+    assert dev.copies_out == 3
+
+
+def test_received_segments_land_in_place_or_in_one_reused_buffer():
+    dev = EmulatedDevice(slot_bytes=64)
+    dev.activate()
+    first = dev.stage_in(np.arange(4.0))
+    second = dev.stage_in(np.arange(3, dtype=np.float32))
+    assert np.shares_memory(first, second), "a fresh device buffer per received segment"
+    assert np.array_equal(second, np.arange(3, dtype=np.float32))
+    dst = np.zeros(10)
+    assert dev.stage_in(np.arange(4.0), into=dst[2:6]) is not None and np.array_equal(dst[2:6], np.arange(4.0))
+    assert not np.shares_memory(dst, dev._landing), "a segment with a destination went via the landing buffer"
+    strided = np.zeros(8)
+    dev.stage_in(np.arange(4.0), into=strided[::2])  # a strided destination: via the landing buffer
+    assert np.array_equal(strided[::2], np.arange(4.0)) and dev.copies_in == 4
 
 
 def test_segment_larger_than_slot_is_refused():
@@ -112,9 +130,9 @@ def receive_handed_over(comm):
     device, copied_in_by = comm._device, set()
     stage_in = device.stage_in
 
-    def recorded(host):
+    def recorded(host, into=None):
         copied_in_by.add(threading.get_ident())
-        return stage_in(host)
+        return stage_in(host, into)
     device.stage_in = recorded
     x = np.zeros(50_000)
     if comm.rank == 0:

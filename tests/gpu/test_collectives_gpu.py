@@ -192,6 +192,90 @@ def test_stream_order_with_the_callers_stream(n, caller, backend):
         assert "BAD []" in out, out
 
 
+# How segments cross between device and host, on the stand-in (whose GPU moves only when
+# asked, so a polled copy is still running when the next segment is staged): the root of a
+# chain broadcast stages segment k+1 before it hands segment k to the transport, and blocks
+# on a copy only at the end of the call; receives land in their destination or one reused
+# device buffer, so a warmed-up collective allocates no device memory per segment.
+STAGING = textwrap.dedent("""
+    import json, cupy as cp, numpy as np, ringcomm
+    from cupy import _runtime
+    from ringcomm.device import StagedDevice
+    from ringcomm.link import Link
+    comm = ringcomm.init(device="gpu")
+    n, r = comm.world_size, comm.rank
+    log = []
+    stage_out, hand_over = StagedDevice.stage_out, Link._hand_over
+    StagedDevice.stage_out = lambda self, a: (log.append("stage"), stage_out(self, a))[1]
+    Link._hand_over = lambda self, *args: (log.append("hand"), hand_over(self, *args))[1]
+    segments = 32
+    x = cp.arange(segments * 16384, dtype=cp.float32) + r  # 64 KiB segments
+    comm.all_reduce(x + 0); comm.broadcast(x + 0, root=0)  # warm-up: the landing buffer is made
+    counts = _runtime.counts
+    before = dict(counts); log.clear()
+    comm.broadcast(x, root=0, algorithm="ring")
+    hands = [log[:i].count("stage") for i, what in enumerate(log) if what == "hand"]
+    overlapped = sum(staged >= k + 2 for k, staged in enumerate(hands))
+    broadcast = {"waits": counts["host waits"] - before.get("host waits", 0),
+                 "allocations": counts["allocations"] - before.get("allocations", 0),
+                 "overlapped": overlapped, "hands": len(hands)}
+    ok = bool((x == cp.arange(segments * 16384, dtype=cp.float32)).all())
+    y = cp.arange(segments * 16384, dtype=cp.float32) * (r + 1)
+    before = dict(counts)
+    comm.all_reduce(y, algorithm="ring")
+    reduced = {"allocations": counts["allocations"] - before.get("allocations", 0)}
+    ok &= bool((y == cp.arange(segments * 16384, dtype=cp.float32) * (n * (n + 1) // 2)).all())
+    print("STAGING", json.dumps({"ok": ok, "broadcast": broadcast, "reduced": reduced}))
+""")
+
+
+def test_staging_is_double_buffered_and_receives_reuse_device_memory(backend):
+    name, env = backend
+    if name != "standin":
+        pytest.skip("counts the stand-in's operations; a GPU runs the same path in the other tests")
+    env = dict(env, RINGCOMM_SEGMENT_BYTES="65536")
+    results = spawn_job(STAGING, 3, env=env, timeout=120)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, err
+        line = next(x for x in out.splitlines() if x.startswith("STAGING "))
+        got = json.loads(line.split(" ", 1)[1])
+        broadcast = got["broadcast"]
+        assert got["ok"], line
+        assert got["reduced"] == {"allocations": 0}, f"rank {rank}: device memory per received segment: {line}"
+        assert broadcast["allocations"] == 0, f"rank {rank}: {line}"
+        if rank == 0:  # the root sends segment after segment: each copy overlaps a hand-over
+            assert broadcast["overlapped"] >= 31, f"segment k+1 not staged before k went out: {line}"
+        if rank < 2:  # rank 2 ends the chain: it only receives
+            assert broadcast["hands"] == 32, line
+            assert broadcast["waits"] <= 4, f"rank {rank}: the host blocked per segment: {line}"
+
+
+# A device send larger than the point-to-point window, to a receiver that comes late: the
+# segments staged but not yet handed over count against the window, or the sender would
+# pass it and the receiver refuse the data.
+WINDOW = textwrap.dedent("""
+    import time, cupy as cp, numpy as np, ringcomm
+    comm = ringcomm.init(device="gpu")
+    x = cp.arange(8 * 8192, dtype=cp.float64)  # 8 segments of 64 KiB, a window of 4
+    if comm.rank == 0:
+        comm.send(x, 1, tag=3)
+        print("WINDOW sent")
+    else:
+        time.sleep(1.5)
+        y = cp.zeros_like(x)
+        comm.recv(y, 0, tag=3)
+        print("WINDOW", bool((y == x).all()))
+""")
+
+
+def test_staged_sends_respect_the_point_to_point_window(backend):
+    name, env = backend
+    env = dict(env, RINGCOMM_SEGMENT_BYTES="65536", RINGCOMM_P2P_WINDOW_BYTES=str(4 * 65536))
+    (code0, out0, err0), (code1, out1, err1) = spawn_job(WINDOW, 2, env=env, timeout=60)
+    assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
+    assert "WINDOW sent" in out0 and "WINDOW True" in out1, out0 + out1
+
+
 def train(strategy, device, tmp_path, extra=(), env=None):
     path = tmp_path / f"{strategy}-{device}.npz"
     cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", device, "-m", "ringcomm.train",
@@ -218,7 +302,9 @@ def cpu_run(tmp_path_factory):
     ("dp", ()), ("ddp", ()), ("zero1", ()), ("zero2", ()), ("zero3", ()),
     ("zero2", ("--offload",)), ("zero2", ("--offload", "--precision", "fp16")),
     ("zero3", ("--precision", "fp16")), ("ddp", ("--tp", "2")), ("ddp", ("--pp", "2")),
-    ("zero2", ("--precision", "fp16", "--clip-grad-norm", "0.5")), ("ddp", ("--clip-grad-norm", "0.5"))])
+    ("zero2", ("--precision", "fp16", "--clip-grad-norm", "0.5")), ("ddp", ("--clip-grad-norm", "0.5")),
+    ("zero1", ("--offload", "--precision", "fp16")), ("zero3", ("--offload",)),
+    ("zero3", ("--offload", "--precision", "fp16", "--bucket-mb", "0.01"))])
 def test_training_on_gpu_matches_cpu(strategy, extra, tmp_path, backend, cpu_run):
     name, env = backend
     reports = tmp_path / "standin"
@@ -237,3 +323,59 @@ def test_training_on_gpu_matches_cpu(strategy, extra, tmp_path, backend, cpu_run
         assert devices == ["on device 0", "on device 1"], devices
         for d in ranks:
             assert d["operations"] > 100 and d["device_peak_bytes"] > 4 * 32 * 64, d
+
+
+# The offloaded optimizer's copies, on the stand-in: each unit's gradient slice goes down on
+# the copy stream without blocking the host, and after the host's Adam step on one unit's
+# slice that slice goes up on the copy stream before the host updates the next unit.
+OFFLOAD = textwrap.dedent("""
+    import json, sys
+    import cupy as cp, numpy as np
+    from cupy import _array
+    from ringcomm.train import optim, zero
+    from ringcomm.train.cli import main
+    log, made = [], []
+    get, put, update, setup = _array.ndarray.get, _array.ndarray.set, optim.Adam.update, zero.Zero.setup
+
+    def logged_get(self, stream=None, order="C", out=None, blocking=True):
+        log.append(("down", stream, blocking, self.size))
+        return get(self, stream, order, out, blocking)
+
+    def logged_set(self, arr, stream=None):
+        log.append(("up", stream))
+        return put(self, arr, stream)
+    _array.ndarray.get, _array.ndarray.set = logged_get, logged_set
+    optim.Adam.update = lambda self, *a, **k: (log.append(("adam",)), update(self, *a, **k))[1]
+    zero.Zero.setup = lambda self, params: (made.append(self), setup(self, params))[1]
+    main(sys.argv[1:])
+    z = made[0]
+    copies = [e for e in log if e[0] == "adam" or (len(e) > 1 and e[1] is z._copies)]
+    shard_gets = [e for e in log if e[0] == "down" and e[2] and e[3] == z.layout.shard_total]
+    # the device parameters ended as the host master rounded to their dtype, bit for bit
+    own = z.param_shard if z.sharded("params") else z.layout.own_shard(z.flat_params, z.rank)
+    same = np.array_equal(cp.asnumpy(own).view(np.uint16), z.master.astype(z.dtype).view(np.uint16))
+    print("OFFLOAD", json.dumps({"units": len(z.layout.units), "order": [e[0] for e in copies],
+          "blocking": [e[2] for e in copies if e[0] == "down"], "shard_gets": len(shard_gets),
+          "device_params_are_master": same}))
+""")
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_offloaded_copies_use_the_copy_stream_unit_by_unit(stage, backend):
+    name, env = backend
+    if name != "standin":
+        pytest.skip("records the stand-in's copies; a GPU runs the same path in the training tests")
+    script = OFFLOAD + "\n"
+    args = ["--strategy", stage, "--offload", "--device", "gpu", "--steps", "2", "--batch-size", "32",
+            "--samples", "128", "--layers", "32,64,48,10", "--bucket-mb", "0.0005", "--precision", "fp16"]
+    for code, out, err in spawn_job(script.replace("sys.argv[1:]", repr(args)), 2, env=env, timeout=120):
+        assert code == 0, err
+        got = json.loads(next(x for x in out.splitlines() if x.startswith("OFFLOAD ")).split(" ", 1)[1])
+        units, order = got["units"], got["order"]
+        assert units >= 3, got
+        assert order.count("down") == 2 * units and not any(got["blocking"]), got
+        assert got["shard_gets"] == 0, "the gradient shard crossed in one blocking copy"
+        assert got["device_params_are_master"], "the device parameters differ from the host master"
+        updates = [e for e in order if e != "down"]
+        stepped = updates.count("adam")  # fp16: a step skipped for overflow updates nothing
+        assert stepped in (units, 2 * units) and updates == ["adam", "up"] * stepped, order

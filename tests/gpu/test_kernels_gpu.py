@@ -87,9 +87,9 @@ def test_modules_compile_with_and_without_cuda_fp16_header(variant, rng):
     assert_same(acc, ref.reduce("sum", a.copy(), b), nan_payload=False)
     x = data(np.float32, 4096, rng, spread=3e4)
     out = cp.empty(x.size, np.float16)
-    mods["cast"].get_function("cast_f32_to_f16")((16,), (256,), (cp.asarray(x), out, np.float32(2.0), np.int64(x.size)))
+    mods["cast"].get_function("cast_f32_to_f16")((16,), (256,), (cp.asarray(x), out, np.int64(x.size)))
     with np.errstate(over="ignore"):
-        assert_same(out, ref.scale_cast(x, np.empty(x.size, np.float16), 2.0), nan_payload=False)
+        assert_same(out, ref.cast_to_half(x, np.empty(x.size, np.float16)), nan_payload=False)
 
 
 # -- reduce.cu -------------------------------------------------------------------------------
@@ -144,69 +144,49 @@ def test_reduce_on_a_side_stream(rng):
 # -- adam.cu ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 1000, 3 * 2 ** 20 + 7])
-@pytest.mark.parametrize("weight_decay,clip", [(0.0, 1.0), (0.01, 0.37)])
-@pytest.mark.parametrize("grad_dtype", ["float16", "float32"])
-def test_adam_steps(grad_dtype, weight_decay, clip, n, rng):
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_adam_steps(weight_decay, n, rng):
     master0 = (rng.standard_normal(n) * 0.1).astype(np.float32)
     host = [master0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
     dev = [cp.asarray(x) for x in host]
-    host_out, dev_out = master0.astype(np.float16), cp.asarray(master0.astype(np.float16))
-    scale = 2.0 ** 12 if grad_dtype == "float16" else 1.0
-    t = 0
-    for step in range(6):
-        g = (rng.standard_normal(n) * 1e-2 * scale).astype(grad_dtype)
-        if step == 2:
-            g[rng.integers(n)] = np.inf
-        args = (1e-3, 0.9, 0.999, 1e-8, weight_decay, t + 1, scale)
-        found = kernels.adam_step(dev[0], cp.asarray(g), dev[1], dev[2], *args,
-                                  param_out=dev_out, clip_coef=clip)
-        want = ref.adam_step(host[0], g, host[1], host[2], *args, param_out=host_out, clip_coef=clip)
-        assert found == want == (step == 2)
-        t += not found
-        for d, h in zip(dev + [dev_out], host + [host_out]):
+    for step in range(1, 7):
+        g = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+        args = (1e-3, 0.9, 0.999, 1e-8, weight_decay, step)
+        assert kernels.adam_step(dev[0], cp.asarray(g), dev[1], dev[2], *args) is None
+        ref.adam_step(host[0], g, host[1], host[2], *args)
+        for d, h in zip(dev, host):
             assert_same(d, h)
 
 
-def test_adam_step_without_check_and_without_param_out(rng):
+def test_adam_step_has_no_check(rng):
+    """A NaN or inf in the gradient is stepped on, as the reference does: the decision to
+    skip was taken before the call."""
     n = 50_000
     master = (rng.standard_normal(n)).astype(np.float32)
     host = [master.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
     dev = [cp.asarray(x) for x in host]
     g = (rng.standard_normal(n) * 3).astype(np.float32)
-    g[7] = np.nan
+    g[7], g[9] = np.nan, np.inf
     with np.errstate(invalid="ignore"):
         for step in range(1, 4):
-            assert kernels.adam_step(dev[0], cp.asarray(g), dev[1], dev[2], 1e-2, 0.9, 0.999, 1e-8,
-                                     0.0, step, 1.0, skip_if_nonfinite=False) is False
-            ref.adam_step(host[0], g, host[1], host[2], 1e-2, 0.9, 0.999, 1e-8, 0.0, step, 1.0,
-                          skip_if_nonfinite=False)
+            kernels.adam_step(dev[0], cp.asarray(g), dev[1], dev[2], 1e-2, 0.9, 0.999, 1e-8, 0.0, step)
+            ref.adam_step(host[0], g, host[1], host[2], 1e-2, 0.9, 0.999, 1e-8, 0.0, step)
+    assert np.isnan(host[0][7]) and np.isnan(host[0][9])
     for d, h in zip(dev, host):
         assert_same(d, h, nan_payload=False)
 
 
-@pytest.mark.parametrize("grad_dtype", ["float16", "float32"])
-def test_grad_overflow(grad_dtype, rng):
-    g = data(grad_dtype, 200_000, rng, specials=False)
-    assert kernels.grad_overflow(cp.asarray(g), 8.0) is False
-    for poison in (np.inf, -np.inf, np.nan):
-        bad = g.copy()
-        bad[-1] = poison
-        assert kernels.grad_overflow(cp.asarray(bad), 8.0) is True is ref.grad_overflow(bad, 8.0)
-
-
 # -- cast.cu ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("scale", [1.0, 2.0 ** 16, 0.37])
-def test_scale_cast(scale, rng):
-    x = data(np.float32, 300_001, rng, spread=3e4)
+def test_cast_to_half(rng):
+    x = data(np.float32, 300_001, rng, spread=3e4)  # beyond fp16's range too: inf
+    tiny = np.float32(2.0 ** -149)
+    x[:4] = np.array([3 * tiny, -5 * tiny, 2.0 ** -24, 65519.0], np.float32)  # fp16 zeros, subnormal, max
+    x[4:1004] = rng.integers(-2 ** 20, 2 ** 20, 1000) * np.float32(2.0 ** -34)  # fp16 subnormals, rounded
     out = cp.empty(x.size, np.float16)
-    kernels.scale_cast(cp.asarray(x), out, scale)
-    with np.errstate(all="ignore"):
-        assert_same(out, ref.scale_cast(x, np.empty(x.size, np.float16), scale), nan_payload=False)
-        h = x.astype(np.float16)
-    back = cp.empty(h.size, np.float32)
-    kernels.scale_cast(cp.asarray(h), back, scale)
-    assert_same(back, ref.scale_cast(h, np.empty(h.size, np.float32), scale), nan_payload=False)
+    assert kernels.cast_to_half(cp.asarray(x), out) is out
+    with np.errstate(over="ignore"):
+        assert_same(out, ref.cast_to_half(x, np.empty(x.size, np.float16)), nan_payload=False)
 
 
 @pytest.mark.parametrize("poison", [None, np.inf, np.nan])

@@ -169,7 +169,8 @@ def check_unpack(raw, payload_len, world, self_rank):
     assert isinstance(header, Header)
     assert len(raw) == HEADER.size and bytes(raw[:4]) == MAGIC
     assert 0 <= header.src < world and header.src != self_rank
-    assert header.nbytes == payload_len
+    # a notice stands for a segment in a shared-memory slot: nbytes is the segment's length
+    assert header.nbytes == payload_len or (header.kind == Kind.SHM and payload_len == frame.SHM_NOTICE_BYTES)
     assert header.key.space in (0, 1)
     # re-packing it gives the same bytes, except the ignored pad byte
     repacked = frame.pack(header.kind, header.src, header.key, header.nbytes, header.sig)

@@ -33,6 +33,7 @@ class _Buffer:
 
     def __init__(self, data, device):
         self.data, self.device = data, device
+        rt.counts["allocations"] += 1
         allocated["bytes"] += data.nbytes
         allocated["peak"] = max(allocated["peak"], allocated["bytes"])
 

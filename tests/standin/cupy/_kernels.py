@@ -7,9 +7,8 @@ the references on a GPU.
 """
 import numpy as np
 
-PREFIXES = ("reduce_", "scale_", "divide_", "adam_unscale_check_", "adam_step_", "cast_f32_to_f16",
-            "cast_f16_to_f32", "unscale_f16_to_f32", "unscale_f32", "find_nonfinite_",
-            "sq_norm_partial_", "ringcomm_probe")
+PREFIXES = ("reduce_", "scale_", "divide_", "adam_step_f32", "cast_f32_to_f16", "unscale_f16_to_f32",
+            "unscale_f32", "find_nonfinite_", "sq_norm_partial_", "ringcomm_probe")
 
 
 def model(name, grid, block, a):
@@ -46,15 +45,10 @@ def model(name, grid, block, a):
             assert type(factor) is c, f"{name}: factor is {type(factor).__name__}, not {c.__name__}"
             f = np.multiply if name.startswith("scale_") else np.true_divide
             x[...] = f(x.astype(c), factor).astype(x.dtype)
-        elif name.startswith("adam_unscale_check_"):
-            grad, loss_scale, flag, n = a
-            flag[0] |= int(not np.isfinite(grad.astype(f32) / loss_scale).all())
-        elif name.startswith("adam_step_"):
-            (master, grad, m, v, out, write_out, skip, loss_scale, clip_coef, wd, use_wd,
-             b1, omb1, b2, omb2, step_size, bc2_sqrt, eps, n) = a
-            if skip[0]:
-                return
-            g = grad.astype(f32) / loss_scale * clip_coef
+        elif name == "adam_step_f32":
+            (master, grad, m, v, wd, use_wd, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps, n) = a
+            assert grad.dtype == f32 and master.dtype == f32
+            g = grad.copy()
             p = master.copy()
             if use_wd:
                 g = g + wd * p
@@ -62,14 +56,9 @@ def model(name, grid, block, a):
             vi = v * b2 + (omb2 * g) * g
             p = p - step_size * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
             m[...], v[...], master[...] = mi, vi, p
-            if write_out:
-                out[...] = p.astype(np.float16)
         elif name == "cast_f32_to_f16":
-            src, dst, factor, n = a
-            dst[...] = (src * factor).astype(np.float16)
-        elif name == "cast_f16_to_f32":
-            src, dst, factor, n = a
-            dst[...] = src.astype(f32) * factor
+            src, dst, n = a
+            dst[...] = src.astype(np.float16)
         elif name == "unscale_f16_to_f32":
             src, dst, loss_scale, flag, n = a
             dst[...] = src.astype(f32) / loss_scale

@@ -3,7 +3,10 @@
 Work launched on a stream (a kernel, an element-wise operation, a copy) is **deferred**: it
 is queued on the stream and carried out only when something forces it, in stream order:
 
-- ``stream.synchronize()``, ``event.synchronize()``, ``Device.synchronize()``: the host waits;
+- ``stream.synchronize()``, ``event.synchronize()``, ``Device.synchronize()``: the host waits
+  (counted as ``host waits`` when work was still queued);
+- ``event.done`` carries out one more operation of the event's stream per query that finds
+  it pending;
 - an operation queued on stream B after ``B.wait_event(e)`` first completes e's stream up to
   the point where ``e`` was recorded;
 - on the legacy null stream (the default unless ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``)
@@ -93,6 +96,7 @@ class Stream:
                 self._done += 1
 
     def synchronize(self):
+        _host_waits(self, self._count)
         self.run_until(self._count)
 
     def record(self, event=None):
@@ -180,7 +184,28 @@ class Event:
 
     def synchronize(self):
         if self._stream is not None:
+            _host_waits(self._stream, self._position)
             self._stream.run_until(self._position)
+
+    @property
+    def done(self):
+        """Whether the stream has passed the event. This GPU moves only when asked: a query
+        that finds the event pending carries out one more operation of its stream and says
+        "not yet", so a poller sees what it would see on a busy GPU."""
+        stream = self._stream
+        if stream is None:
+            return True
+        with LOCK:
+            if stream._done >= self._position:
+                return True
+            stream.run_until(stream._done + 1)
+            return False
+
+
+def _host_waits(stream, position):
+    """Count a synchronisation that finds work still queued: on a GPU the host would block."""
+    if stream._done < position:
+        counts["host waits"] += 1
 
 
 
