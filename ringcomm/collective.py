@@ -85,7 +85,7 @@ class Call:
             else:
                 transport.pump(0)
             if self.device.staged:  # the host device has nothing to order or stage
-                deferred = self._on_device(self.ready, lambda: _drained(link, self.body(link)),
+                deferred = self._on_device(self.ready, lambda: _drained(link, lambda: self.body(link)),
                                            lambda d: d is None)
             else:
                 deferred = self.body(link)
@@ -136,7 +136,7 @@ class Call:
 
         def finishing():
             try:  # the submission's event was waited for in run: no ready event here
-                done = self._on_device(None, lambda: _drained(link, progress()), bool) \
+                done = self._on_device(None, lambda: _drained(link, progress), bool) \
                     if staged else progress()
             except SignatureMismatch as exc:
                 raise describe_mismatch(self.what, link.ranks[link.rank], exc) from None
@@ -154,8 +154,14 @@ class Call:
             pass
 
 
-def _drained(link, outcome):
-    """``outcome`` of a body or progress step, once the segments it staged are all handed to
-    the transport: none may wait across another call's work."""
-    link.drain()
+def _drained(link, step):
+    """What ``step()`` (a body or a progress step) returns, once the segments it staged are
+    all handed to the transport: none may wait across another call's work. If it fails,
+    they are dropped and their lane slots given back."""
+    try:
+        outcome = step()
+        link.drain()
+    except BaseException:
+        link.discard()
+        raise
     return outcome

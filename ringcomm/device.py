@@ -39,16 +39,27 @@ staged segment to the transport once its event has passed, polling it as it stag
 one, so the copy of segment k+1 runs while segment k is handed over. Before the rank waits
 for a message, and when a call's body ends, every staged segment is handed over (waiting
 for its copy): a segment never waits on a receive, so staging cannot deadlock a schedule.
-The transport copies a segment (into ZeroMQ's buffer or a lane's slot) before ``send``
+The transport copies a segment (into ZeroMQ's buffer or a channel) before ``send``
 returns, so a staging buffer is free again as soon as its segment is handed over. A
 received segment is copied in on the same stream, so the kernel that reduces it follows
 it, and the next copy into the landing buffer follows that kernel.
+
+**Lane slots** (between ranks of one host, segments large enough for the shared-memory
+lanes of :mod:`ringcomm.transport.shm`): the device copies straight into a free slot of
+the lane to the peer and the transport announces the slot once the copy is done, and a
+received segment is copied to the device straight out of its slot: one copy each way
+instead of two. On a GPU each slot is registered with CUDA (``cudaHostRegister``) the
+first time it is used, so those copies are asynchronous; a received segment's host array
+is then kept until its copy's event has passed, and only then can the slot be
+acknowledged and refilled by the sender. A slot taken for a segment that is never sent (the
+call failed) is given back. Registrations are undone before the transport unmaps the lanes.
 
 >>> dev = select("emulated", local_rank=0)
 >>> dev.activate()
 >>> staged = dev.stage_out(np.arange(4.0))  # a copy into a pinned buffer, started
 >>> staged.wait(); wire = staged.host        # ... finished: the bytes for the transport
 """
+import collections
 import contextlib
 import logging
 import os
@@ -57,6 +68,7 @@ import threading
 import numpy as np
 
 DEVICES = ("auto", "cpu", "gpu", "emulated")
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 log = logging.getLogger(__name__)
 
 
@@ -90,13 +102,14 @@ class HostDevice:
 
 
 class Staged:
-    """A segment on its way to the wire: ``host`` (its bytes in a staging buffer) is valid
-    once the copy has finished (``done()`` polls, ``wait()`` blocks)."""
+    """A segment on its way to the wire: ``host`` (its bytes in a staging buffer, or in the
+    lane slot ``slot`` when one was given) is valid once the copy has finished (``done()``
+    polls, ``wait()`` blocks)."""
 
-    __slots__ = ("host", "event")
+    __slots__ = ("host", "event", "slot")
 
-    def __init__(self, host, event=None):
-        self.host, self.event = host, event
+    def __init__(self, host, event=None, slot=None):
+        self.host, self.event, self.slot = host, event, slot
 
     def done(self):
         return self.event is None or self.event.done
@@ -118,28 +131,58 @@ class StagedDevice(HostDevice):
         self._buffers = [self._pinned(slot_bytes) for _ in range(self.BUFFERS)]
         self._next = 0
         self._landing = None  # the device buffer a segment without a destination lands in
+        self._transport = None  # whose lane slots this device copies through (see attach)
         self.copies_out = self.copies_in = 0
+        self.slot_copies = 0  # copies straight between the device and a lane slot
 
-    def stage_out(self, array):
-        """Start copying ``array`` (flat, contiguous, on the device) into the next staging
-        buffer; returns its :class:`Staged`. Buffers are taken in turn, so the caller must
-        have handed the segment staged :attr:`BUFFERS` calls ago to the transport (which
-        copies it) before staging another."""
+    def attach(self, transport):
+        """Copy through ``transport``'s lane slots from now on; what the device did to their
+        memory (registering it) is undone before the transport unmaps it."""
+        if self._transport is not transport:
+            self._transport = transport
+            transport.before_unmap.append(self._forget_lanes)
+
+    def stage_out(self, array, slot=None):
+        """Start copying ``array`` (flat, contiguous, on the device) into the lane slot
+        ``slot`` (``(slot, uint8 array over it)``, from the transport's ``take_slot``) or
+        else the next staging buffer; returns its :class:`Staged`. Buffers are taken in
+        turn, so the caller must have handed the segment staged :attr:`BUFFERS` calls ago to
+        the transport (which copies it) before staging another."""
+        self.release()
         nbytes = array.nbytes
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"segment of {nbytes} bytes exceeds the {self.slot_bytes}-byte staging buffer")
-        host = self._buffers[self._next][:nbytes].view(array.dtype)
-        staged = Staged(host, self._to_host(array, host))
-        self._next = (self._next + 1) % self.BUFFERS
+        if slot is not None:
+            number, window = slot
+            self._pin(window)
+            host = window[:nbytes].view(array.dtype)
+            staged = Staged(host, self._to_host(array, host), number)
+            self.slot_copies += 1
+        else:
+            if nbytes > self.slot_bytes:
+                raise ValueError(f"segment of {nbytes} bytes exceeds the {self.slot_bytes}-byte staging buffer")
+            host = self._buffers[self._next][:nbytes].view(array.dtype)
+            staged = Staged(host, self._to_host(array, host))
+            self._next = (self._next + 1) % self.BUFFERS
         self.copies_out += 1
         return staged
 
-    def stage_in(self, host, into=None):
+    def stage_in(self, host, into=None, slot=None):
         """The received host array ``host`` on the device: copied into ``into`` (a device
         array of its shape and dtype), or else into the landing buffer, which the next
         ``stage_in`` overwrites: use what it returns before receiving again (the device
-        reads it in stream order, before the next copy lands)."""
+        reads it in stream order, before the next copy lands). ``slot``: the lane slot
+        ``host`` lies in (the transport's ``slot_of``); a copy from a registered slot runs
+        asynchronously, so ``host`` is kept (and the slot unacknowledged) until it is done."""
         self.copies_in += 1
+        self.release()
+        pinned = slot is not None and self._pin(slot)
+        self.slot_copies += slot is not None
+        try:
+            return self._copy_in(host, into)
+        finally:
+            if pinned:  # whatever happened after the copy was queued, it reads ``host``
+                self._hold(host)
+
+    def _copy_in(self, host, into):
         if into is None or not into.flags.c_contiguous:
             landing = self._landing
             if landing is None or landing.nbytes < host.nbytes:
@@ -154,6 +197,22 @@ class StagedDevice(HostDevice):
         return into
 
     # -- what a concrete device provides ----------------------------------------------------
+    def _pin(self, window):
+        """Make host memory the device copies through directly (a lane slot) page-locked;
+        True when copies from it run asynchronously."""
+        return False
+
+    def _hold(self, host):
+        """Keep ``host`` alive until the copy just queued from it is done."""
+
+    def release(self):
+        """Let go of the received host arrays whose copies are done (their lane slots are
+        acknowledged when nothing else refers to them); called as calls end and segments
+        cross, so a slot is held no longer than its copy and the next call."""
+
+    def _forget_lanes(self):
+        """Undo :meth:`_pin` for every lane slot (before the transport unmaps them)."""
+
     def _pinned(self, nbytes):
         raise NotImplementedError
 
@@ -214,7 +273,44 @@ class CudaDevice(StagedDevice):
         self.index = local_rank % cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(self.index).use()
         self.stream = cupy.cuda.Stream(non_blocking=True)  # the communication stream
+        self._registered = {}  # lane slot address -> registered with CUDA (False: refused)
+        self._held = collections.deque()  # (event, received host array) copies in flight
         super().__init__(slot_bytes)
+
+    def _pin(self, window):
+        address = window.__array_interface__["data"][0]
+        registered = self._registered.get(address)
+        if registered is None:
+            try:  # portable: page-locked for every context, so any thread may unregister it
+                self.cupy.cuda.runtime.hostRegister(address, window.nbytes, HOST_REGISTER_PORTABLE)
+                registered = True
+            except Exception as exc:  # noqa: BLE001 - a limit on locked memory: copy as before
+                log.warning("cannot register a shared-memory slot with CUDA (%s); copies through "
+                            "it are not asynchronous", exc)
+                registered = False
+            self._registered[address] = registered
+        return registered
+
+    def _hold(self, host):
+        self._held.append((self.stream.record(self._event()), host))
+
+    def release(self):
+        held = self._held
+        while held and held[0][0].done:
+            held.popleft()
+
+    def _forget_lanes(self):
+        # on the rank's device: every copy into or out of a slot is done before it goes
+        with self.cupy.cuda.Device(self.index):
+            self.stream.synchronize()
+            self._held.clear()
+            for address, registered in self._registered.items():
+                if registered:
+                    try:
+                        self.cupy.cuda.runtime.hostUnregister(address)
+                    except Exception as exc:  # noqa: BLE001 - the others must still go
+                        log.warning("cannot unregister a shared-memory slot: %s", exc)
+        self._registered.clear()
 
     def is_array(self, x):
         return isinstance(x, self.cupy.ndarray)
@@ -248,6 +344,7 @@ class CudaDevice(StagedDevice):
             yield
 
     def done(self):
+        self.release()
         return self.stream.record(self._event())
 
     def _event(self):

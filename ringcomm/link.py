@@ -62,6 +62,8 @@ class Link:
         self.deadline, self.what, self.stats = deadline, what, stats
         self.device = device  # stages device segments through pinned host buffers
         self._staged = deque()  # (global rank, key, Staged) not yet handed to the transport
+        if device.staged:
+            device.attach(transport)
         # which group ranks share which host (None: all of them share this one)
         self.topology = topology
         self._remote = None if topology is None else topology.remote
@@ -89,14 +91,28 @@ class Link:
         staged = self._staged
         if len(staged) == self.device.BUFFERS:  # its staging buffer is the one taken next
             self._hand_over(*staged.popleft())
-        staged.append((dst, key, self.device.stage_out(array)))
+        # a segment bound for a lane is copied straight into a slot of it, when one is free
+        slot = self.transport.take_slot(dst, key, array.nbytes)
+        try:
+            staged.append((dst, key, self.device.stage_out(array, slot)))
+        except BaseException:
+            if slot is not None:
+                self.transport.give_back_slot(dst, slot[0])
+            raise
         while staged and staged[0][2].done():  # poll: the copies that have finished go out
             self._hand_over(*staged.popleft())
 
     def _hand_over(self, dst, key, staged):
         staged.wait()
-        # the transport copies before send returns: the staging buffer is free again at once
-        self.transport.send(dst, key, self.sig, staged.host.view(np.uint8), copy=True)
+        host, staged.host = staged.host, None  # no array over a slot outlives its hand-over
+        if staged.slot is None:  # the transport copies before send returns: the buffer is free
+            self.transport.send(dst, key, self.sig, host.view(np.uint8), copy=True)
+            return
+        try:
+            self.transport.send_slot(dst, key, self.sig, staged.slot, host.nbytes)
+        except BaseException:
+            self.transport.give_back_slot(dst, staged.slot)
+            raise
 
     def _take_staging(self, src, key, wait):
         """:meth:`_take` while segments are staged: hand over those whose copies have
@@ -125,6 +141,20 @@ class Link:
         staged = self._staged
         while staged:
             self._hand_over(*staged.popleft())
+
+    def discard(self):
+        """Drop what is staged (the call failed), giving back the lane slots it holds once
+        their copies are done (a copy still landing must not meet the slot's next use)."""
+        staged = self._staged
+        while staged:
+            dst, _, segment = staged.popleft()
+            segment.host = None
+            if segment.slot is not None:
+                try:
+                    segment.wait()
+                except Exception:  # noqa: BLE001 - the device failed: its copy lands nowhere now
+                    pass
+                self.transport.give_back_slot(dst, segment.slot)
 
     def recv(self, peer, step, segment, count=None, wait=True, into=None):
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
@@ -158,7 +188,7 @@ class Link:
             stats.bytes_received_inter_host += nbytes
         received = np.frombuffer(payload, self.dtype, count)
         if self.device.staged:
-            return self.device.stage_in(received, into)
+            return self.device.stage_in(received, into, self.transport.slot_of(payload))
         if into is None:
             return received
         into[...] = received

@@ -48,6 +48,7 @@ class Transport(ABC):
         # before it sleeps; else it yields the core and the GIL to the caller's compute (the
         # engine sets it: see Engine.eager)
         self.eager = lambda: True
+        self.before_unmap = []  # called before shared memory is unmapped at close (see .device)
 
     # -- what subclasses provide -------------------------------------------------------
     @abstractmethod
@@ -127,6 +128,30 @@ class Transport(ABC):
         if key.space == 1:
             self._unacked[(dst, key.comm_id, key.step)] += nbytes
         return self._send(dst, key, sig, payload, nbytes, copy)
+
+    # -- lane slots a device copies into and out of (see ringcomm.device) -------------------
+    def take_slot(self, dst, key, nbytes):
+        """A lane slot to ``dst`` for an ``nbytes`` segment of ``key`` that would go through a
+        lane: ``(slot, writable uint8 array over the whole slot)``; ``None`` where there is
+        none (no lane, the wrong size, every slot in use). Fill it, then
+        :meth:`send_slot`, or :meth:`give_back_slot`."""
+        return None
+
+    def send_slot(self, dst, key, sig, slot, nbytes):
+        """Send the ``nbytes`` segment written into the taken ``slot`` to ``dst``."""
+        if key.space == 1:
+            self._unacked[(dst, key.comm_id, key.step)] += nbytes
+        self._send_slot(dst, key, sig, slot, nbytes)
+
+    def _send_slot(self, dst, key, sig, slot, nbytes):
+        raise NotImplementedError("this transport has no lanes")
+
+    def give_back_slot(self, dst, slot):
+        """Free a slot taken with :meth:`take_slot` and never sent."""
+
+    def slot_of(self, payload):
+        """The whole lane slot (a uint8 array) a received ``payload`` lies in, or ``None``."""
+        return None
 
     def _send(self, dst, key, sig, payload, nbytes, copy):
         """One DATA message (subclasses may carry it another way)."""

@@ -5,12 +5,14 @@ start-up and read while the transport waits.
 :class:`SameHost` is a part of :class:`~.zmq_transport.ZmqTransport` (its attributes are made
 there): opening the lanes and channels to every same-host peer (``open_lanes``, each peer's
 LANE announcement mapped by ``_map_lane``), filing what arrives through the channels
-(``_drain_channels``), and the channels' bells in the transport's poll (``_on_bell``).
+(``_drain_channels``), the channels' bells in the transport's poll (``_on_bell``), and the
+lane slots a device copies into and out of directly (``take_slot``, ``slot_of``).
 """
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 
 from ..errors import CommError, CommTimeout, FrameError, PeerLost
@@ -72,6 +74,26 @@ class SameHost:
                 missing = sorted(set(plan.peers) - self._lanes_in)
                 raise CommTimeout(f"rank {self.rank}: ranks {missing} never announced their shared memory")
             self._pump(0.05)
+
+    # -- slots a device fills and reads directly (Transport.take_slot) ----------------------
+    def take_slot(self, dst, key, nbytes):
+        lane = self._out_lanes.get(dst)
+        if lane is None or not self._limits[key.space][1] <= nbytes <= lane.slot_bytes:
+            return None
+        return lane.take_slot()
+
+    def _send_slot(self, dst, key, sig, slot, nbytes):
+        self._check_open_to(dst)
+        notice = self._out_lanes[dst].notice(slot)
+        self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
+
+    def give_back_slot(self, dst, slot):
+        self._out_lanes[dst].give_back(slot)
+
+    def slot_of(self, payload):
+        if self._in_lanes is None or not isinstance(payload, np.ndarray):  # a ZeroMQ frame
+            return None
+        return self._in_lanes.slot_of(payload)
 
     def _map_lane(self, src):
         """A LANE message from ``src`` arrived: map its lane now, before any notice behind it."""

@@ -365,6 +365,11 @@ class ZmqTransport(SameHost, Transport):
         if self._guard is not None:
             self._guard.stop()
         self._ctx.term()
+        for hook in self.before_unmap:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - closing must not fail
+                log.warning("rank %d: %s", self.rank, exc)
         for lane in self._out_lanes.values():
             lane.close()
         if self._channels is not None:

@@ -1,6 +1,8 @@
 """The GPU staging path, exercised on the CPU: an emulated device treats numpy buffers as
-device memory and goes through the same pinned-slot staging, slot recycling and copy-in
-as CuPy arrays do (ringcomm.device.StagedDevice)."""
+device memory and goes through the same staging buffers, lane slots and copy-in as CuPy
+arrays do (ringcomm.device.StagedDevice)."""
+import types
+
 import numpy as np
 import pytest
 
@@ -130,9 +132,9 @@ def receive_handed_over(comm):
     device, copied_in_by = comm._device, set()
     stage_in = device.stage_in
 
-    def recorded(host, into=None):
+    def recorded(host, into=None, slot=None):
         copied_in_by.add(threading.get_ident())
-        return stage_in(host, into)
+        return stage_in(host, into, slot)
     device.stage_in = recorded
     x = np.zeros(50_000)
     if comm.rank == 0:
@@ -153,3 +155,55 @@ def test_a_receive_finished_by_the_communication_thread_uses_the_ranks_device(em
     if emulated.world_size != 2:
         pytest.skip("the case is written for two ranks")
     assert emulated.run(receive_handed_over)[0] == (100_000.0, True)
+
+
+class _SlotTransport:
+    """A transport with one lane slot, recording what the link does with it."""
+
+    def __init__(self):
+        self.before_unmap, self.done, self.window = [], [], np.zeros(64, np.uint8)
+
+    def take_slot(self, dst, key, nbytes):
+        return 5, self.window
+
+    def send_slot(self, dst, key, sig, slot, nbytes):
+        self.done.append(("sent", dst, slot, bytes(self.window[:nbytes])))
+
+    def give_back_slot(self, dst, slot):
+        self.done.append(("given back", dst, slot))
+
+
+class _SlowCopies(EmulatedDevice):
+    """Copies that are never done when polled (a busy GPU): staged segments stay queued."""
+
+    def _to_host(self, array, host):
+        super()._to_host(array, host)
+        return types.SimpleNamespace(done=False, synchronize=lambda: None)
+
+
+def _slot_link(transport, device):
+    from ringcomm.link import Link, Stats
+    return Link(transport, ranks=(0, 1), rank=0, comm_id=3, space=1, seq=0, sig=bytes(16),
+                dtype=np.float32, segment_bytes=64, deadline=0.0, what="test", stats=Stats(),
+                device=device)
+
+
+def test_a_segment_goes_through_its_lane_slot_and_a_failed_call_gives_the_slot_back():
+    from ringcomm.collective import _drained
+    transport, device = _SlotTransport(), _SlowCopies(slot_bytes=64)
+    device.activate()
+    link = _slot_link(transport, device)
+    assert transport.before_unmap, "the device did not ask to hear before the lanes are unmapped"
+    link.send(1, 0, 0, np.arange(4, dtype=np.float32))
+    assert transport.done == [] and link.staged_bytes == 16  # its copy is not done yet
+    link.drain()
+    assert transport.done == [("sent", 1, 5, np.arange(4, dtype=np.float32).tobytes())]
+    assert device.slot_copies == 1
+    transport.done.clear()
+
+    def fails():
+        link.send(1, 0, 1, np.ones(4, np.float32))
+        raise RuntimeError("the call failed")
+    with pytest.raises(RuntimeError, match="failed"):
+        _drained(link, fails)
+    assert transport.done == [("given back", 1, 5)] and link.staged_bytes == 0

@@ -195,8 +195,9 @@ def test_stream_order_with_the_callers_stream(n, caller, backend):
 # How segments cross between device and host, on the stand-in (whose GPU moves only when
 # asked, so a polled copy is still running when the next segment is staged): the root of a
 # chain broadcast stages segment k+1 before it hands segment k to the transport, and blocks
-# on a copy only at the end of the call; receives land in their destination or one reused
-# device buffer, so a warmed-up collective allocates no device memory per segment.
+# on a copy only at the end of the call; segments between ranks of a host are copied
+# straight into and out of registered lane slots; receives land in their destination or
+# one reused device buffer, so a warmed-up collective allocates no device memory per segment.
 STAGING = textwrap.dedent("""
     import json, cupy as cp, numpy as np, ringcomm
     from cupy import _runtime
@@ -206,26 +207,31 @@ STAGING = textwrap.dedent("""
     n, r = comm.world_size, comm.rank
     log = []
     stage_out, hand_over = StagedDevice.stage_out, Link._hand_over
-    StagedDevice.stage_out = lambda self, a: (log.append("stage"), stage_out(self, a))[1]
+    StagedDevice.stage_out = lambda self, a, slot=None: (log.append("stage"), stage_out(self, a, slot))[1]
     Link._hand_over = lambda self, *args: (log.append("hand"), hand_over(self, *args))[1]
     segments = 32
-    x = cp.arange(segments * 16384, dtype=cp.float32) + r  # 64 KiB segments
+    x = cp.arange(segments * 65536, dtype=cp.float32) + r  # 256 KiB segments: through lanes
     comm.all_reduce(x + 0); comm.broadcast(x + 0, root=0)  # warm-up: the landing buffer is made
     counts = _runtime.counts
     before = dict(counts); log.clear()
+    slots = comm._device.slot_copies
     comm.broadcast(x, root=0, algorithm="ring")
+    slots = comm._device.slot_copies - slots
     hands = [log[:i].count("stage") for i, what in enumerate(log) if what == "hand"]
     overlapped = sum(staged >= k + 2 for k, staged in enumerate(hands))
     broadcast = {"waits": counts["host waits"] - before.get("host waits", 0),
                  "allocations": counts["allocations"] - before.get("allocations", 0),
-                 "overlapped": overlapped, "hands": len(hands)}
-    ok = bool((x == cp.arange(segments * 16384, dtype=cp.float32)).all())
-    y = cp.arange(segments * 16384, dtype=cp.float32) * (r + 1)
+                 "overlapped": overlapped, "hands": len(hands), "slot_copies": slots,
+                 "registered": _runtime.pinned_bytes.get("registered", 0)}
+    ok = bool((x == cp.arange(segments * 65536, dtype=cp.float32)).all())
+    y = cp.arange(segments * 65536, dtype=cp.float32) * (r + 1)
     before = dict(counts)
     comm.all_reduce(y, algorithm="ring")
     reduced = {"allocations": counts["allocations"] - before.get("allocations", 0)}
-    ok &= bool((y == cp.arange(segments * 16384, dtype=cp.float32) * (n * (n + 1) // 2)).all())
-    print("STAGING", json.dumps({"ok": ok, "broadcast": broadcast, "reduced": reduced}))
+    ok &= bool((y == cp.arange(segments * 65536, dtype=cp.float32) * (n * (n + 1) // 2)).all())
+    comm.close()  # the lanes' registrations are undone before they are unmapped
+    print("STAGING", json.dumps({"ok": ok, "broadcast": broadcast, "reduced": reduced,
+                                 "registered_after_close": _runtime.pinned_bytes.get("registered", 0)}))
 """)
 
 
@@ -233,7 +239,9 @@ def test_staging_is_double_buffered_and_receives_reuse_device_memory(backend):
     name, env = backend
     if name != "standin":
         pytest.skip("counts the stand-in's operations; a GPU runs the same path in the other tests")
-    env = dict(env, RINGCOMM_SEGMENT_BYTES="65536")
+    # lanes of 128 slots, more than the calls before the measured broadcast can hold (a slot
+    # waits for its copy to the device): none of its segments falls back to ZeroMQ
+    env = dict(env, RINGCOMM_SEGMENT_BYTES=str(256 << 10), RINGCOMM_SHM_SLOTS="128")
     results = spawn_job(STAGING, 3, env=env, timeout=120)
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, err
@@ -245,6 +253,9 @@ def test_staging_is_double_buffered_and_receives_reuse_device_memory(backend):
         assert broadcast["allocations"] == 0, f"rank {rank}: {line}"
         if rank == 0:  # the root sends segment after segment: each copy overlaps a hand-over
             assert broadcast["overlapped"] >= 31, f"segment k+1 not staged before k went out: {line}"
+        # every segment went straight between the device and a registered lane slot
+        assert broadcast["slot_copies"] == (32 if rank in (0, 2) else 64), line
+        assert broadcast["registered"] >= 256 << 10 and got["registered_after_close"] == 0, line
         if rank < 2:  # rank 2 ends the chain: it only receives
             assert broadcast["hands"] == 32, line
             assert broadcast["waits"] <= 4, f"rank {rank}: the host blocked per segment: {line}"

@@ -155,3 +155,29 @@ def test_only_a_private_regular_file_of_the_right_size_is_mapped(tmp_path):
 def test_lane_names_come_only_from_tokens():
     with pytest.raises(ValueError):
         lane_path("/dev/shm", "../../etc/passwd", 0, 1)
+
+
+def test_a_taken_slot_is_filled_in_place_then_announced_or_given_back(lane):
+    """What a device does: take a slot, copy into it, announce it; a slot taken for a
+    segment that is never sent is given back, else the lane would lose it for good."""
+    out, inl = lane
+    slot, window = out.take_slot()
+    assert window.flags.writeable and window.nbytes == SLOT
+    window[:8] = np.arange(8, dtype=np.uint8)
+    assert out.take_slot()[0] != slot, "a taken slot was handed out again"
+    assert out.take_slot() is None  # both taken
+    got = inl.take(0, out.notice(slot), 8)
+    assert np.array_equal(got, np.arange(8, dtype=np.uint8))
+    whole = inl.slot_of(np.frombuffer(got, np.uint8)[3:5])
+    assert whole.nbytes == SLOT and np.shares_memory(whole, got) and not whole.flags.writeable
+    assert inl.slot_of(np.zeros(8, np.uint8)) is None  # memory outside the lanes
+    out.give_back(1 - slot)  # the other slot, taken and never announced
+    again, other = out.take_slot()
+    assert again == 1 - slot
+    other[:4] = 9
+    later = inl.take(0, out.notice(again), 4)
+    assert np.shares_memory(inl.slot_of(later), later) and inl.slot_of(later)[0] == 9
+    del later
+    del got, whole
+    gc.collect()
+    assert out.take_slot()[0] == slot  # acknowledged by the receiver

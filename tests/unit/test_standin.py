@@ -67,6 +67,24 @@ CHECKS = textwrap.dedent("""
     w = cp.zeros(2, cp.float64)
     w[0] = z[0]                                  # an element is a 0-d view, read in stream order
     seen["element in stream order"] = float(w[0])
+
+    page = np.zeros(8192, np.uint8)              # registered host memory, as a lane slot is
+    region = page[4096:]
+    address = region.__array_interface__["data"][0]
+    cp.cuda.runtime.hostRegister(address, region.nbytes, 1)
+    seen["registered twice refused"] = raises(lambda: cp.cuda.runtime.hostRegister(address, 16, 1))
+    region[:4] = 3
+    h = cp.empty(4, cp.uint8)
+    h.set(region[:4], stream=other)              # read later, by address
+    region[:4] = 4
+    ev = other.record()
+    polls = 0
+    while not ev.done:                           # the polled GPU moves on
+        polls += 1
+    seen["registered source read late"] = cp.asnumpy(h, stream=other).tolist()
+    seen["event polled"] = polls
+    cp.cuda.runtime.hostUnregister(address)
+    seen["unregistered twice refused"] = raises(lambda: cp.cuda.runtime.hostUnregister(address))
     print(json.dumps(seen))
 """)
 
@@ -90,3 +108,7 @@ def test_the_standin_defers_refuses_and_tracks():
     assert seen["device per thread"] == [0]  # a new thread starts on device 0, as in CUDA
     assert seen["view shares memory"]
     assert seen["element in stream order"] == 5.0
+    assert seen["registered twice refused"] == "CUDARuntimeError"
+    assert seen["registered source read late"] == [4] * 4
+    assert seen["event polled"] >= 1, "an event was done before its stream moved"
+    assert seen["unregistered twice refused"] == "CUDARuntimeError"

@@ -99,7 +99,9 @@ class ndarray:
 
     def set(self, arr, stream=None):
         """Host -> device on ``stream``: from pinned memory the bytes are read when the stream
-        gets there (the host must not overwrite them before); from pageable memory now."""
+        gets there, by address, as a DMA engine reads them (the host must neither overwrite
+        nor release them before: the copy keeps no Python object alive); from pageable
+        memory now."""
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"set takes a numpy array, not {type(arr).__name__}")
         if arr.dtype != self.dtype:
@@ -107,9 +109,10 @@ class ndarray:
         if arr.shape != self.shape:
             raise ValueError(f"set: shape {arr.shape} into {self.shape}")
         stream = stream or rt.current_stream(self._buffer.device)
-        src = arr if rt.is_pinned(arr) else arr.copy()
+        src = _by_address(arr) if rt.is_pinned(arr) else arr.copy()
         dst = self._a
-        stream.launch(lambda: np.copyto(dst, src), "a host -> device copy", any_device=True)
+        stream.launch(lambda: np.copyto(dst, src() if callable(src) else src), "a host -> device copy",
+                      any_device=True)
 
     def __float__(self):
         return float(self._scalar())
@@ -208,6 +211,23 @@ for _name, _ufunc in (("neg", np.negative), ("pos", np.positive), ("abs", np.abs
                       ("invert", np.invert)):
     setattr(ndarray, f"__{_name}__", lambda self, _u=_ufunc: apply(_u, (self,), {}, _u.__name__))
 ndarray.__hash__ = None
+
+
+def _by_address(arr):
+    """What reads ``arr``'s bytes later without keeping ``arr`` (or what it views) alive."""
+    import ctypes
+    contiguous = np.ascontiguousarray(arr)
+    if contiguous is not arr:  # a strided source: CuPy would have copied it first
+        return contiguous
+    address, shape, dtype, nbytes = arr.__array_interface__["data"][0], arr.shape, arr.dtype, arr.nbytes
+    raw = ctypes.c_uint8 * nbytes
+
+    def read():
+        if not rt.is_pinned_range(address, nbytes):  # freed or unregistered before the copy ran
+            raise rt.CUDARuntimeError("a host -> device copy from page-locked memory that was "
+                                      "released before the copy ran")
+        return np.frombuffer(raw.from_address(address), dtype).reshape(shape)
+    return read
 
 
 class _Pointer:

@@ -220,7 +220,7 @@ def synchronize_device(device_id=None):
 # -- host memory CUDA knows about --------------------------------------------------------------
 
 _pinned = {}  # start address -> end address
-pinned_bytes = {"allocated": 0}  # by kind: only cupyx's pinned allocations so far
+pinned_bytes = {"allocated": 0}  # by kind: cupyx's allocations, "registered" host memory
 
 
 def _address(host):
@@ -241,10 +241,30 @@ def _unpin(start):
         pinned_bytes["allocated"] -= _pinned.pop(start) - start
 
 
-def is_pinned(host):
-    start, end = _address(host), _address(host) + host.nbytes
+def register(address, nbytes):
+    """``cudaHostRegister``: ``nbytes`` of host memory at ``address`` become page-locked."""
     with LOCK:
-        return any(s <= start and end <= e for s, e in _pinned.items())
+        if any(s < address + nbytes and address < e for s, e in _pinned.items()):
+            raise CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        _pinned[address] = address + nbytes
+        pinned_bytes["registered"] = pinned_bytes.get("registered", 0) + nbytes
+        counts["host registrations"] += 1
+
+
+def unregister(address):
+    with LOCK:
+        if address not in _pinned:
+            raise CUDARuntimeError("cudaErrorHostMemoryNotRegistered")
+        pinned_bytes["registered"] -= _pinned.pop(address) - address
+
+
+def is_pinned(host):
+    return is_pinned_range(_address(host), host.nbytes)
+
+
+def is_pinned_range(start, nbytes):
+    with LOCK:
+        return any(s <= start and start + nbytes <= e for s, e in _pinned.items())
 
 
 def report(path):

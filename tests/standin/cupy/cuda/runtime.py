@@ -6,3 +6,11 @@ CUDARuntimeError = rt.CUDARuntimeError
 
 def getDeviceCount():
     return rt.DEVICE_COUNT
+
+
+def hostRegister(ptr, size, flags):
+    rt.register(ptr, size)
+
+
+def hostUnregister(ptr):
+    rt.unregister(ptr)
