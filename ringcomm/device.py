@@ -13,7 +13,8 @@ Three devices share one staging path (:class:`StagedDevice`), so the code that r
 is the code the CPU tests exercise:
 
 - :class:`HostDevice` (``cpu``): numpy; nothing to stage, segments go out zero-copy.
-- :class:`CudaDevice` (``gpu``): CuPy arrays on GPU ``LOCAL_RANK % device_count``.
+- :class:`~ringcomm.cuda.CudaDevice` (``gpu``, in :mod:`ringcomm.cuda`): CuPy arrays on GPU
+  ``LOCAL_RANK % device_count``.
 - :class:`EmulatedDevice` (``emulated``, for tests): numpy arrays treated as device memory,
   with the same staging buffer and staging calls as the GPU.
 
@@ -39,8 +40,8 @@ staged segment to the transport once its event has passed, polling it as it stag
 one, so the copy of segment k+1 runs while segment k is handed over. Before the rank waits
 for a message, and when a call's body ends, every staged segment is handed over (waiting
 for its copy): a segment never waits on a receive, so staging cannot deadlock a schedule.
-The transport copies a segment (into ZeroMQ's buffer or a channel) before ``send``
-returns, so a staging buffer is free again as soon as its segment is handed over. A
+The transport copies a segment (into ZeroMQ's buffer, a channel or a lane slot) before
+``send`` returns, so a staging buffer is free again as soon as its segment is handed over. A
 received segment is copied in on the same stream, so the kernel that reduces it follows
 it, and the next copy into the landing buffer follows that kernel.
 
@@ -59,7 +60,6 @@ call failed) is given back. Registrations are undone before the transport unmaps
 >>> staged = dev.stage_out(np.arange(4.0))  # a copy into a pinned buffer, started
 >>> staged.wait(); wire = staged.host        # ... finished: the bytes for the transport
 """
-import collections
 import contextlib
 import logging
 import os
@@ -68,7 +68,6 @@ import threading
 import numpy as np
 
 DEVICES = ("auto", "cpu", "gpu", "emulated")
-HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 log = logging.getLogger(__name__)
 
 
@@ -180,7 +179,11 @@ class StagedDevice(HostDevice):
             return self._copy_in(host, into)
         finally:
             if pinned:  # whatever happened after the copy was queued, it reads ``host``
-                self._hold(host)
+                try:
+                    self._hold(host)
+                except BaseException:
+                    self.settle()
+                    raise
 
     def _copy_in(self, host, into):
         if into is None or not into.flags.c_contiguous:
@@ -204,6 +207,9 @@ class StagedDevice(HostDevice):
 
     def _hold(self, host):
         """Keep ``host`` alive until the copy just queued from it is done."""
+
+    def settle(self):
+        """Best effort, after a failure: wait until the device's queued copies are done."""
 
     def release(self):
         """Let go of the received host arrays whose copies are done (their lane slots are
@@ -261,104 +267,6 @@ class EmulatedDevice(StagedDevice):
         np.copyto(out, host)
 
 
-class CudaDevice(StagedDevice):
-    """CuPy arrays on one GPU; every collective's device work on :attr:`stream` (module
-    docstring)."""
-
-    kind = "gpu"
-
-    def __init__(self, local_rank, slot_bytes=1 << 20):
-        import cupy
-        self.cupy = self.xp = cupy
-        self.index = local_rank % cupy.cuda.runtime.getDeviceCount()
-        cupy.cuda.Device(self.index).use()
-        self.stream = cupy.cuda.Stream(non_blocking=True)  # the communication stream
-        self._registered = {}  # lane slot address -> registered with CUDA (False: refused)
-        self._held = collections.deque()  # (event, received host array) copies in flight
-        super().__init__(slot_bytes)
-
-    def _pin(self, window):
-        address = window.__array_interface__["data"][0]
-        registered = self._registered.get(address)
-        if registered is None:
-            try:  # portable: page-locked for every context, so any thread may unregister it
-                self.cupy.cuda.runtime.hostRegister(address, window.nbytes, HOST_REGISTER_PORTABLE)
-                registered = True
-            except Exception as exc:  # noqa: BLE001 - a limit on locked memory: copy as before
-                log.warning("cannot register a shared-memory slot with CUDA (%s); copies through "
-                            "it are not asynchronous", exc)
-                registered = False
-            self._registered[address] = registered
-        return registered
-
-    def _hold(self, host):
-        self._held.append((self.stream.record(self._event()), host))
-
-    def release(self):
-        held = self._held
-        while held and held[0][0].done:
-            held.popleft()
-
-    def _forget_lanes(self):
-        # on the rank's device: every copy into or out of a slot is done before it goes
-        with self.cupy.cuda.Device(self.index):
-            self.stream.synchronize()
-            self._held.clear()
-            for address, registered in self._registered.items():
-                if registered:
-                    try:
-                        self.cupy.cuda.runtime.hostUnregister(address)
-                    except Exception as exc:  # noqa: BLE001 - the others must still go
-                        log.warning("cannot unregister a shared-memory slot: %s", exc)
-        self._registered.clear()
-
-    def is_array(self, x):
-        return isinstance(x, self.cupy.ndarray)
-
-    def _pinned(self, nbytes):
-        import cupyx
-        return cupyx.empty_pinned(nbytes, np.uint8)
-
-    def _device_bytes(self, nbytes):
-        return self.cupy.empty(nbytes, np.uint8)
-
-    def _to_host(self, array, host):
-        array.get(stream=self.stream, out=host, blocking=False)
-        return self.stream.record(self._event())
-
-    def _to_device(self, host, out):
-        out.set(host, stream=self.stream)
-
-    def ready(self):
-        # the submitting thread's stream *of this device*: a thread that never made the
-        # device current (a torch completer, a user's thread) still orders the right stream
-        return self.cupy.cuda.get_current_stream(self.index).record(self._event())
-
-    @contextlib.contextmanager
-    def running(self, ready):
-        # the previous current device comes back on exit: the caller's thread is not left
-        # switched by a collective it ran inline
-        with self.cupy.cuda.Device(self.index), self.stream:
-            if ready is not None:
-                self.stream.wait_event(ready)
-            yield
-
-    def done(self):
-        self.release()
-        return self.stream.record(self._event())
-
-    def _event(self):
-        return self.cupy.cuda.Event(disable_timing=True)  # ordering only: no timestamps
-
-    def join(self, done, synchronize=False):
-        if done is None:
-            return
-        if synchronize:
-            done.synchronize()
-        else:
-            self.cupy.cuda.get_current_stream(self.index).wait_event(done)
-
-
 UNUSABLE = "CuPy sees a CUDA device but cannot compile and run a kernel on it"
 PROBE = r"""extern "C" __global__ void ringcomm_probe(float* x) { x[threadIdx.x] += 1.0f; }"""
 
@@ -410,6 +318,7 @@ def select(device=None, local_rank=0, slot_bytes=1 << 20):
         if not usable:
             raise ValueError(f"device='gpu' needs CuPy and a CUDA device it can run kernels on: "
                              f"{why} (install ringcomm[gpu], or use device='cpu')")
+        from .cuda import CudaDevice
         return CudaDevice(local_rank, slot_bytes)
     if device == "emulated":
         return EmulatedDevice(slot_bytes)

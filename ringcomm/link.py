@@ -90,29 +90,30 @@ class Link:
     def _stage(self, dst, key, array):
         staged = self._staged
         if len(staged) == self.device.BUFFERS:  # its staging buffer is the one taken next
-            self._hand_over(*staged.popleft())
+            self._hand_over_first()
         # a segment bound for a lane is copied straight into a slot of it, when one is free
         slot = self.transport.take_slot(dst, key, array.nbytes)
         try:
             staged.append((dst, key, self.device.stage_out(array, slot)))
         except BaseException:
             if slot is not None:
+                self.device.settle()  # a copy queued before the failure lands first
                 self.transport.give_back_slot(dst, slot[0])
             raise
         while staged and staged[0][2].done():  # poll: the copies that have finished go out
-            self._hand_over(*staged.popleft())
+            self._hand_over_first()
 
-    def _hand_over(self, dst, key, staged):
+    def _hand_over_first(self):
+        """Hand the oldest staged segment to the transport once its copy is done (it leaves
+        the queue only then: a failed wait leaves its slot to :meth:`discard`)."""
+        dst, key, staged = self._staged[0]
         staged.wait()
+        self._staged.popleft()
         host, staged.host = staged.host, None  # no array over a slot outlives its hand-over
         if staged.slot is None:  # the transport copies before send returns: the buffer is free
             self.transport.send(dst, key, self.sig, host.view(np.uint8), copy=True)
-            return
-        try:
+        else:
             self.transport.send_slot(dst, key, self.sig, staged.slot, host.nbytes)
-        except BaseException:
-            self.transport.give_back_slot(dst, staged.slot)
-            raise
 
     def _take_staging(self, src, key, wait):
         """:meth:`_take` while segments are staged: hand over those whose copies have
@@ -122,13 +123,13 @@ class Link:
         staged = self._staged
         while staged:
             while staged and staged[0][2].done():
-                self._hand_over(*staged.popleft())
+                self._hand_over_first()
             self.transport.pump(0)
             payload = self._take(src, key, wait=False)
             if payload is not None or not wait:
                 return payload
             if staged:
-                self._hand_over(*staged.popleft())
+                self._hand_over_first()
         return self._take(src, key, wait)
 
     @property
@@ -140,7 +141,7 @@ class Link:
         """Hand every staged segment to the transport, waiting for its copy."""
         staged = self._staged
         while staged:
-            self._hand_over(*staged.popleft())
+            self._hand_over_first()
 
     def discard(self):
         """Drop what is staged (the call failed), giving back the lane slots it holds once
@@ -152,7 +153,7 @@ class Link:
             if segment.slot is not None:
                 try:
                     segment.wait()
-                except Exception:  # noqa: BLE001 - the device failed: its copy lands nowhere now
+                except BaseException:  # noqa: BLE001 - the device failed: its copy lands nowhere now
                     pass
                 self.transport.give_back_slot(dst, segment.slot)
 

@@ -83,7 +83,11 @@ class SameHost:
         return lane.take_slot()
 
     def _send_slot(self, dst, key, sig, slot, nbytes):
-        self._check_open_to(dst)
+        try:
+            self._check_open_to(dst)
+        except BaseException:  # nothing announced: the slot is free again; once the notice
+            self._out_lanes[dst].give_back(slot)  # may be out, the receiver frees it
+            raise
         notice = self._out_lanes[dst].notice(slot)
         self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
 

@@ -5,7 +5,12 @@ Over ``ipc://`` a ZeroMQ message is copied four times (into ZeroMQ, into the ker
 the kernel, and by the receiver's reduction) and handed between two I/O threads. Between
 ranks on one host a *lane* carries the bytes instead, the way NCCL's and Open MPI's shared
 memory transports do: the sender copies a segment into a *slot* of the lane once, and the
-receiver reduces straight out of it.
+receiver reduces straight out of it. A device segment (see ringcomm.device) is copied by
+the device itself: the sender takes a free slot (:meth:`OutLane.take_slot`), its device
+copies into it, and the notice (:meth:`OutLane.notice`) goes out once that copy is done; a
+slot taken for a segment that is never sent is given back (:meth:`OutLane.give_back`, the
+one ack the sender writes). The receiver's device copies out of the slot, which it keeps
+(and so leaves unacknowledged) until that copy is done.
 
 Words used here:
 
@@ -34,7 +39,7 @@ segment through ZeroMQ as usual: it never waits for a receiver, so ranks that wa
 other's slots cannot deadlock.
 
 Ordering: the sender's copy into a slot happens before its notice is published (a later
-store into the channel, or a system call);
+store into the channel, or a system call; for a device's copy, a wait for its event);
 the receiver's reads of a slot happen before its ack store, and the sender reads the ack
 before refilling the slot. x86-64 keeps stores behind earlier loads; weaker memory models
 (ARM) would want a fence before the ack store, which Python does not offer.

@@ -206,9 +206,9 @@ STAGING = textwrap.dedent("""
     comm = ringcomm.init(device="gpu")
     n, r = comm.world_size, comm.rank
     log = []
-    stage_out, hand_over = StagedDevice.stage_out, Link._hand_over
+    stage_out, hand_over = StagedDevice.stage_out, Link._hand_over_first
     StagedDevice.stage_out = lambda self, a, slot=None: (log.append("stage"), stage_out(self, a, slot))[1]
-    Link._hand_over = lambda self, *args: (log.append("hand"), hand_over(self, *args))[1]
+    Link._hand_over_first = lambda self: (log.append("hand"), hand_over(self))[1]
     segments = 32
     x = cp.arange(segments * 65536, dtype=cp.float32) + r  # 256 KiB segments: through lanes
     comm.all_reduce(x + 0); comm.broadcast(x + 0, root=0)  # warm-up: the landing buffer is made
