@@ -116,8 +116,11 @@ acc = cp.asarray(a); kernels.reduce("prod", acc, cp.asarray(big))
 same("reduce prod", acc.get(), ref.reduce("prod", a.copy(), big))
 acc = cp.asarray(a); kernels.finalize("avg", acc, 3)
 same("avg divide", acc.get(), ref.finalize("avg", a.copy(), 3))
-dst = cp.empty(4096, cp.float32); kernels.unscale(cp.asarray(a), dst, 2.0)
-want = np.empty(4096, np.float32); ref.unscale(a, want, 2.0)
+# unscale takes an fp16 gradient: random fp16 bit patterns below 2**-4 (fp16 subnormals
+# included), over a loss scale of 2**127: every quotient is an fp32 subnormal or zero, many rounded
+g16 = (rng.integers(0, 0x2C00, 4096) | rng.integers(0, 2, 4096) << 15).astype(np.uint16).view(np.float16)
+dst = cp.empty(4096, cp.float32); kernels.unscale(cp.asarray(g16), dst, 2.0 ** 127)
+want = np.empty(4096, np.float32); ref.unscale(g16, want, 2.0 ** 127)
 same("unscale", dst.get(), want)
 x = cp.asarray(a); kernels.scale(x, 0.5)
 same("scale", x.get(), ref.scale(a.copy(), 0.5))

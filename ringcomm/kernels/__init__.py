@@ -3,8 +3,8 @@
 Every function takes numpy or CuPy arrays (all of one kind) and works in place where the
 kernel does:
 
-- ``reduce(op, acc, incoming)``, ``finalize(op, acc, n)``, ``scale(x, factor)``,
-  ``divide(x, divisor)`` -- ``reduce.cu``;
+- ``reduce(op, acc, incoming)``, ``finalize(op, acc, n)``, ``divide(x, divisor)``,
+  ``scale(x, factor)`` -- ``reduce.cu``;
 - ``adam_step(master, grad, m, v, lr, beta1, beta2, eps, weight_decay, step)`` --
   ``adam.cu``;
 - ``cast_to_half(src, dst)``, ``unscale(src, dst, loss_scale, found=None) -> found_inf``,
@@ -16,7 +16,12 @@ kernel does:
 numpy arrays go to the references (:mod:`.reference`, what the CPU path computes);
 CuPy arrays go to the kernels, compiled once per process and device with
 ``cupy.RawModule(code=module_source(name), options=("-std=c++17",))`` and launched on the
-current stream.
+current stream. The kernels cover the dtypes ringcomm's collectives and trainer use, no
+more: on CuPy arrays ``scale``, ``found_nonfinite`` and ``sq_norm`` take fp32 only
+(``sq_norm_partial``: fp32 with fp64 accumulation), ``unscale`` an fp16 source and an fp32
+destination, and each raises TypeError for anything else; ``reduce`` takes every dtype the
+collectives accept, ``divide`` fp16, fp32 and fp64. The references are not narrowed: on
+numpy arrays each function takes the dtypes numpy does.
 :func:`backend` says which of the two this process can use: ``"cupy"`` when CuPy imports and
 sees a device, else ``"numpy"``.
 
@@ -41,15 +46,12 @@ def _entry_points():
     """Every ``extern "C" __global__`` name each source defines (checked against the PTX)."""
     reduce_entries = [f"reduce_{op}_{sfx}" for sfx in _SUFFIX.values() for op in _REDUCE_OPS]
     reduce_entries += [f"reduce_{op}_{sfx}" for sfx in ("i32", "i64") for op in reference.BITWISE]
-    reduce_entries += [f"{kind}_{sfx}" for kind in ("scale", "divide") for sfx in ("f16", "f32", "f64")]
+    reduce_entries += [f"divide_{sfx}" for sfx in ("f16", "f32", "f64")] + ["scale_f32"]
     return {
         "reduce": tuple(reduce_entries),
         "adam": ("adam_step_f32",),
-        "cast": ("cast_f32_to_f16", "unscale_f16_to_f32", "unscale_f32",
-                 "find_nonfinite_f16", "find_nonfinite_f32", "find_nonfinite_f64"),
-        "norm": tuple(f"sq_norm_partial_{_SUFFIX[i]}_{_SUFFIX[a]}" for i, a in
-                      (("float16", "float32"), ("float16", "float64"), ("float32", "float32"),
-                       ("float32", "float64"), ("float64", "float64"))),
+        "cast": ("cast_f32_to_f16", "unscale_f16_to_f32", "find_nonfinite_f32"),
+        "norm": ("sq_norm_partial_f32_f64",),
     }
 
 
@@ -114,7 +116,7 @@ NO_CUDA_FP16 = "-DRINGCOMM_NO_CUDA_FP16"
 
 def module_source(name):
     """The code ``cupy.RawModule`` compiles: ``<name>.cu`` with its
-    ``#include "common.cuh"`` (fp16 type, finiteness tests, grid-stride loop) written out in
+    ``#include "common.cuh"`` (fp16 type, finiteness test, grid-stride loop) written out in
     place, so NVRTC needs no include path."""
     code = source_path(name).read_text()
     common = (source_path(name).parent / "common.cuh").read_text().replace("#pragma once\n", "")
@@ -221,26 +223,33 @@ def reduce(op, acc, incoming):
     return acc
 
 
-def _scale_like(kind, x, value):
-    _need_dtype(x, "x", "float16", "float32", "float64")
-    flat = _flat(x, "x")
-    _launch("reduce", f"{kind}_{_SUFFIX[x.dtype.name]}", flat.size,
-            (flat, _scalar_for(x.dtype, value), np.int64(flat.size)))
-    return x
+def _unsupported(fn, got, supported):
+    """The TypeError for CuPy arrays of a dtype no kernel behind ``fn`` takes."""
+    return TypeError(f"{fn} takes {supported} on a GPU, not {got} (no CUDA kernel for it)")
 
 
 def scale(x, factor):
-    """In place: ``x *= factor`` (``factor`` rounded to ``x.dtype``); returns ``x``."""
+    """In place: ``x *= factor`` (``factor`` rounded to ``x.dtype``); returns ``x``. On CuPy
+    arrays float32 only (``scale_f32``: clipping's ``grad *= coefficient``)."""
     if not _on_gpu(x):
         return reference.scale(x, factor)
-    return _scale_like("scale", x, float(factor))
+    if x.dtype != np.float32:
+        raise _unsupported("scale", x.dtype.name, "float32")
+    flat = _flat(x, "x")
+    _launch("reduce", "scale_f32", flat.size, (flat, np.float32(float(factor)), np.int64(flat.size)))
+    return x
 
 
 def divide(x, divisor):
-    """In place: ``x /= divisor`` (``divisor`` rounded to ``x.dtype``); returns ``x``."""
+    """In place: ``x /= divisor`` (``divisor`` rounded to ``x.dtype``); returns ``x``. On CuPy
+    arrays float16, float32 or float64 (``divide_<dtype>``: avg's division)."""
     if not _on_gpu(x):
         return reference.divide(x, divisor)
-    return _scale_like("divide", x, float(divisor))
+    _need_dtype(x, "x", "float16", "float32", "float64")
+    flat = _flat(x, "x")
+    _launch("reduce", f"divide_{_SUFFIX[x.dtype.name]}", flat.size,
+            (flat, _scalar_for(x.dtype, float(divisor)), np.int64(flat.size)))
+    return x
 
 
 def finalize(op, acc, n):
@@ -298,48 +307,42 @@ def _flag_result(flag, given=None):
 
 
 def unscale(src, dst, loss_scale, found=None):
-    """``dst[...] = fp32(src) / loss_scale`` (``src`` fp16, or fp32 and the same array as
-    ``dst``); returns True if some result is inf or NaN. On CuPy arrays with ``found`` (an
-    int32 device array of one element) the flag is ORed into it instead and None returned:
-    nothing waits for the GPU."""
+    """``dst[...] = fp32(src) / loss_scale`` into the fp32 ``dst``; returns True if some
+    result is inf or NaN. On CuPy arrays ``src`` is fp16 (``unscale_f16_to_f32``: mixed
+    precision's gradient), and with ``found`` (an int32 device array of one element) the flag
+    is ORed into it instead and None returned: nothing waits for the GPU. On numpy arrays
+    ``src`` may also be fp32, and may be ``dst``."""
     if not _on_gpu(src, dst):
         flag = reference.unscale(src, dst, loss_scale)
         if found is None:
             return flag
         found[0] |= int(flag)
         return None
-    cp = _cupy()
+    if src.dtype != np.float16:
+        raise _unsupported("unscale", f"a {src.dtype.name} source", "a float16 source")
     _need_dtype(dst, "dst", "float32")
     _same_size(src=src, dst=dst)
-    flag = _flag(cp) if found is None else found
+    flag = _flag(_cupy()) if found is None else found
     d = _flat(dst, "dst")
-    if src.dtype == np.float16:
-        _launch("cast", "unscale_f16_to_f32", d.size,
-                (_flat(src, "src"), d, np.float32(float(loss_scale)), flag, np.int64(d.size)))
-    elif src.dtype == np.float32:
-        if src is not dst:
-            dst[...] = src
-        _launch("cast", "unscale_f32", d.size,
-                (d, np.float32(float(loss_scale)), flag, np.int64(d.size)))
-    else:
-        raise TypeError(f"unscale takes a float16 or float32 source, not {src.dtype.name}")
+    _launch("cast", "unscale_f16_to_f32", d.size,
+            (_flat(src, "src"), d, np.float32(float(loss_scale)), flag, np.int64(d.size)))
     return _flag_result(flag, found)
 
 
 def found_nonfinite(x, found=None):
-    """True if ``x`` holds an inf or NaN (``found``: as for :func:`unscale`)."""
+    """True if ``x`` holds an inf or NaN (``found``: as for :func:`unscale`). On CuPy arrays
+    float32 only (``find_nonfinite_f32``: fp32 training's gradient)."""
     if not _on_gpu(x):
         flag = reference.found_nonfinite(x)
         if found is None:
             return flag
         found[0] |= int(flag)
         return None
-    cp = _cupy()
-    _need_dtype(x, "x", "float16", "float32", "float64")
-    flag = _flag(cp) if found is None else found
+    if x.dtype != np.float32:
+        raise _unsupported("found_nonfinite", x.dtype.name, "float32")
+    flag = _flag(_cupy()) if found is None else found
     flat = _flat(x, "x")
-    _launch("cast", f"find_nonfinite_{_SUFFIX[x.dtype.name]}", flat.size,
-            (flat, flag, np.int64(flat.size)))
+    _launch("cast", "find_nonfinite_f32", flat.size, (flat, flag, np.int64(flat.size)))
     return _flag_result(flag, found)
 
 
@@ -347,31 +350,32 @@ def found_nonfinite(x, found=None):
 
 def sq_norm_partial(x, loss_scale=1.0, num_blocks=None, acc_dtype=np.float64):
     """Per-block partial sums of ``(x / loss_scale) ** 2`` (``num_blocks`` of them, dtype
-    ``acc_dtype``); their sum is the squared norm. Same array kind as ``x``."""
+    ``acc_dtype``); their sum is the squared norm. Same array kind as ``x``. On CuPy arrays
+    float32 ``x`` with float64 accumulation only (``sq_norm_partial_f32_f64``)."""
     ref = reference
     if not _on_gpu(x):
         return ref.sq_norm_partial(x, loss_scale, num_blocks, THREADS, acc_dtype)
-    cp = _cupy()
     acc_dtype = np.dtype(acc_dtype)
-    if (x.dtype.name, acc_dtype.name) not in ref.NORM_VARIANTS:
-        raise TypeError(f"no squared-norm kernel for {x.dtype.name} input with {acc_dtype.name} "
-                        f"accumulation; have {ref.NORM_VARIANTS}")
+    if x.dtype != np.float32 or acc_dtype != np.float64:
+        raise _unsupported("sq_norm_partial", f"{x.dtype.name} input with {acc_dtype.name} accumulation",
+                           "float32 input with float64 accumulation")
     flat = _flat(x, "x")
     if num_blocks is None:
         num_blocks = ref.default_blocks(flat.size, THREADS)
-    partial = cp.empty(num_blocks, dtype=acc_dtype)
-    divisor = np.float64(loss_scale) if x.dtype == np.float64 else np.float32(loss_scale)
-    entry = f"sq_norm_partial_{_SUFFIX[x.dtype.name]}_{_SUFFIX[acc_dtype.name]}"
-    _launch("norm", entry, flat.size, (flat, divisor, partial, np.int64(flat.size)),
-            blocks=num_blocks)
+    partial = _cupy().empty(num_blocks, dtype=acc_dtype)
+    _launch("norm", "sq_norm_partial_f32_f64", flat.size,
+            (flat, np.float32(loss_scale), partial, np.int64(flat.size)), blocks=num_blocks)
     return partial
 
 
 def sq_norm(x, loss_scale=1.0, on_device=False):
     """Squared L2 norm of ``x / loss_scale`` as a Python float (fp64 accumulation); with
-    ``on_device`` on CuPy arrays a 0-d fp64 device array instead (nothing waits)."""
+    ``on_device`` on CuPy arrays a 0-d fp64 device array instead (nothing waits). On CuPy
+    arrays float32 only (:func:`sq_norm_partial`)."""
     if not _on_gpu(x):
         return reference.sq_norm(x, loss_scale)
+    if x.dtype != np.float32:
+        raise _unsupported("sq_norm", x.dtype.name, "float32")
     total = sq_norm_partial(x, loss_scale).sum(dtype=np.float64)
     return total if on_device else float(total.get())
 

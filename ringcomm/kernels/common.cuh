@@ -1,4 +1,4 @@
-// common.cuh: what every kernel file of ringcomm shares (fp16 type, finiteness tests, exact
+// common.cuh: what every kernel file of ringcomm shares (fp16 type, finiteness test, exact
 // never-flushed arithmetic and comparisons, widening, grid-stride loop). Included by each
 // *.cu; ringcomm/kernels/__init__.py inlines it for NVRTC.
 #pragma once
@@ -15,7 +15,6 @@ namespace rc {
 typedef __half half;
 __device__ __forceinline__ float to_float(half h) { return __half2float(h); }
 __device__ __forceinline__ half to_half(float f) { return __float2half_rn(f); }
-__device__ __forceinline__ unsigned short half_bits(half h) { return __half_as_ushort(h); }
 }  // namespace rc
 #else
 namespace rc {
@@ -30,7 +29,6 @@ __device__ __forceinline__ half to_half(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
     return h;
 }
-__device__ __forceinline__ unsigned short half_bits(half h) { return h.bits; }
 }  // namespace rc
 #endif
 
@@ -39,13 +37,6 @@ namespace rc {
 // Finite: the exponent field is not all ones (all ones is inf or nan).
 __device__ __forceinline__ bool is_finite(float x) {
     return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
-}
-__device__ __forceinline__ bool is_finite(double x) {
-    return (static_cast<unsigned long long>(__double_as_longlong(x)) & 0x7ff0000000000000ull)
-           != 0x7ff0000000000000ull;
-}
-__device__ __forceinline__ bool is_finite(half x) {
-    return (half_bits(x) & 0x7c00u) != 0x7c00u;
 }
 
 // The type arithmetic on T happens in: fp16 is widened to fp32 and rounded back once.
@@ -92,10 +83,6 @@ __device__ __forceinline__ double widen(float a) {
     asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a));
     return r;
 }
-// x in the accumulator type of A (pass A() as the tag): fp32 -> fp64 through widen.
-__device__ __forceinline__ float convert(float a, float) { return a; }
-__device__ __forceinline__ double convert(float a, double) { return widen(a); }
-__device__ __forceinline__ double convert(double a, double) { return a; }
 
 // Ordered comparisons that see a subnormal as non-zero (a > b compiles to setp.gt.ftz.f32).
 __device__ __forceinline__ bool greater(float a, float b) {

@@ -1,12 +1,12 @@
 // Element-wise reduction of a received chunk into the accumulator, in place:
 //     acc[i] = acc[i] (op) incoming[i]          (ringcomm.ops.reduce_into; numpy ufuncs)
 // and the in-place scalings that finish a result:
-//     scale_*:  x[i] = x[i] * factor            (numpy: x *= factor)
-//     divide_*: x[i] = x[i] / divisor           (ringcomm.ops.finalize for avg)
+//     divide_*:  x[i] = x[i] / divisor          (ringcomm.ops.finalize for avg)
+//     scale_f32: x[i] = x[i] * factor           (numpy: x *= factor; Strategy.update's clipping)
 //
 // Entry points: reduce_{sum,prod,max,min}_{f16,f32,f64,i32,i64}(acc, incoming, n),
 //               reduce_{band,bor,bxor}_{i32,i64}(acc, incoming, n),
-//               scale_{f16,f32,f64}(x, factor, n), divide_{f16,f32,f64}(x, divisor, n).
+//               divide_{f16,f32,f64}(x, divisor, n), scale_f32(x, factor, n).
 // Arrays are flat and contiguous; n is the element count. fp16 scalars are passed as fp32
 // holding an fp16 value (numpy casts a Python scalar to the array's dtype first).
 //
@@ -87,12 +87,6 @@ __device__ __forceinline__ void select_impl(T* acc, const T* incoming, long long
 }
 
 template <class T>
-__device__ __forceinline__ void scale_impl(T* x, typename Compute<T>::type factor, long long n) {
-    typedef Compute<T> C;
-    RC_GRID_STRIDE(i, n) { x[i] = C::store(mul(C::load(x[i]), factor)); }
-}
-
-template <class T>
 __device__ __forceinline__ void divide_impl(T* x, typename Compute<T>::type divisor, long long n) {
     typedef Compute<T> C;
     RC_GRID_STRIDE(i, n) { x[i] = C::store(div(C::load(x[i]), divisor)); }
@@ -126,14 +120,15 @@ RC_REDUCE_ALL_OPS(i64, long long)
 RC_REDUCE_BITWISE(i32, int)
 RC_REDUCE_BITWISE(i64, long long)
 
-#define RC_SCALE_ENTRIES(suffix, T, S)                                                     \
-    extern "C" __global__ void scale_##suffix(T* x, S factor, long long n) {              \
-        rc::scale_impl<T>(x, factor, n);                                                   \
-    }                                                                                      \
+#define RC_DIVIDE_ENTRY(suffix, T, S)                                                      \
     extern "C" __global__ void divide_##suffix(T* x, S divisor, long long n) {            \
         rc::divide_impl<T>(x, divisor, n);                                                 \
     }
 
-RC_SCALE_ENTRIES(f16, rc::half, float)
-RC_SCALE_ENTRIES(f32, float, float)
-RC_SCALE_ENTRIES(f64, double, double)
+RC_DIVIDE_ENTRY(f16, rc::half, float)
+RC_DIVIDE_ENTRY(f32, float, float)
+RC_DIVIDE_ENTRY(f64, double, double)
+
+extern "C" __global__ void scale_f32(float* x, float factor, long long n) {
+    RC_GRID_STRIDE(i, n) { x[i] = rc::mul(x[i], factor); }
+}

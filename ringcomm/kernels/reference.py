@@ -13,7 +13,8 @@ the arithmetic of the CPU code it stands for, bit for bit:
 
 Arrays are modified in place where the kernel modifies them. Scalars are taken as Python
 floats so that numpy rounds them to the array's dtype (NEP 50 "weak" scalars), exactly as the
-CPU path's Python-float arithmetic does; the CUDA wrappers pass the same roundings.
+CPU path's Python-float arithmetic does; the CUDA wrappers pass the same roundings. The
+references take any dtype numpy does; the kernels only the ones ringcomm uses (named below).
 
 """
 import math
@@ -29,7 +30,7 @@ UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "p
 BITWISE = ("band", "bor", "bxor")  # integer and bool dtypes only
 
 REDUCE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
-SCALE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))
+DIVIDE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))  # divide_<dtype>: avg
 
 
 def device_reduces(op, dtype):
@@ -58,12 +59,14 @@ def reduce(op, acc, incoming):
 
 
 def scale(x, factor):
-    """In place: ``x *= factor`` with ``factor`` rounded to ``x.dtype`` first; returns ``x``."""
+    """In place: ``x *= factor`` with ``factor`` rounded to ``x.dtype`` first; returns ``x``
+    (``scale_f32`` on fp32: clipping's ``grad *= coefficient``)."""
     return np.multiply(x, x.dtype.type(float(factor)), out=x)
 
 
 def divide(x, divisor):
-    """In place: ``x /= divisor`` with ``divisor`` rounded to ``x.dtype`` first; returns ``x``."""
+    """In place: ``x /= divisor`` with ``divisor`` rounded to ``x.dtype`` first; returns ``x``
+    (``divide_<dtype>``: for fp16 one fp32 quotient rounded once, which is numpy's result)."""
     return np.true_divide(x, x.dtype.type(float(divisor)), out=x)
 
 
@@ -126,7 +129,8 @@ def cast_to_half(src, dst):
 
 def unscale(src, dst, loss_scale):
     """``dst[...] = fp32(src) / loss_scale``; True if some result is inf or NaN (the CPU
-    path's ``grad /= scale; not np.isfinite(grad).all()``). ``src`` may be ``dst``."""
+    path's ``grad /= scale; not np.isfinite(grad).all()``; ``unscale_f16_to_f32`` for an fp16
+    ``src``). ``src`` may be ``dst``."""
     if src is not dst:
         dst[...] = src
     dst /= float(loss_scale)
@@ -134,15 +138,11 @@ def unscale(src, dst, loss_scale):
 
 
 def found_nonfinite(x):
-    """True if ``x`` holds an inf or NaN (``find_nonfinite_<dtype>``)."""
+    """True if ``x`` holds an inf or NaN (``find_nonfinite_f32`` on fp32)."""
     return not bool(np.isfinite(x).all())
 
 
 # -- norm.cu -----------------------------------------------------------------------------------
-
-NORM_VARIANTS = (("float16", "float32"), ("float16", "float64"), ("float32", "float32"),
-                 ("float32", "float64"), ("float64", "float64"))
-
 
 def default_blocks(n, threads=256, max_blocks=1024):
     """The grid ``sq_norm_partial`` uses for ``n`` elements: one block per ``threads``
@@ -158,10 +158,11 @@ def _unscaled(x, loss_scale):
 
 
 def sq_norm_partial(x, loss_scale=1.0, num_blocks=None, threads=256, acc_dtype=np.float64):
-    """Per-block partial sums of ``(x / loss_scale) ** 2`` as ``sq_norm_partial_<in>_<acc>``
+    """Per-block partial sums of ``(x / loss_scale) ** 2`` as ``sq_norm_partial_f32_f64``
     lays them out: block b sums the elements i with ``(i // threads) % num_blocks == b``.
     The quotient is taken in fp32 (fp64 for fp64 input), the square and the sum in
-    ``acc_dtype``. Returns an array of ``num_blocks`` partial sums of dtype ``acc_dtype``."""
+    ``acc_dtype`` (the kernel: fp32 input, fp64 sums). Returns an array of ``num_blocks``
+    partial sums of dtype ``acc_dtype``."""
     x = np.ravel(x)
     if num_blocks is None:
         num_blocks = default_blocks(x.size, threads)

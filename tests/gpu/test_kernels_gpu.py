@@ -118,17 +118,26 @@ def test_reduce_bitwise(dtype, op, rng):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_scale_divide_finalize(dtype, rng):
+def test_divide_finalize(dtype, rng):
     x = data(dtype, 100_003, rng)
     with np.errstate(all="ignore"):
-        for fn, arg in ((kernels.scale, 0.1), (kernels.scale, 3.0), (kernels.divide, 3),
-                        (kernels.divide, 2049)):
+        for arg in (3, 2049):
             d = cp.asarray(x)
-            fn(d, arg)
-            assert_same(d, getattr(ref, fn.__name__)(x.copy(), arg), nan_payload=False)
+            assert kernels.divide(d, arg) is d
+            assert_same(d, ref.divide(x.copy(), arg), nan_payload=False)
         d = cp.asarray(x)
         kernels.finalize("avg", d, 7)
         assert_same(d, ref.finalize("avg", x.copy(), 7), nan_payload=False)
+
+
+def test_scale(rng):
+    """scale_f32: clipping's grad *= coefficient."""
+    x = data(np.float32, 100_003, rng)
+    with np.errstate(all="ignore"):
+        for factor in (0.1, 3.0, 0.3183098861837907):
+            d = cp.asarray(x)
+            assert kernels.scale(d, factor) is d
+            assert_same(d, ref.scale(x.copy(), factor), nan_payload=False)
 
 
 def test_reduce_on_a_side_stream(rng):
@@ -190,35 +199,47 @@ def test_cast_to_half(rng):
 
 
 @pytest.mark.parametrize("poison", [None, np.inf, np.nan])
-@pytest.mark.parametrize("src_dtype", ["float16", "float32"])
-def test_unscale_and_found_nonfinite(src_dtype, poison, rng):
-    g = data(src_dtype, 300_001, rng, specials=False)
+def test_unscale_and_found_nonfinite(poison, rng):
+    g = data(np.float16, 300_001, rng, specials=False)
     if poison is not None:
         g[rng.integers(g.size)] = poison
     want = np.empty(g.size, np.float32)
     want_flag = ref.unscale(g, want, 1024.0)
     out = cp.empty(g.size, np.float32)
-    assert kernels.unscale(cp.asarray(g), out, 1024.0) is want_flag
+    assert kernels.unscale(cp.asarray(g), out, 1024.0) is want_flag is (poison is not None)
     assert_same(out, want, nan_payload=False)
-    if src_dtype == "float32":
-        inplace = cp.asarray(g)
-        assert kernels.unscale(inplace, inplace, 1024.0) is want_flag
-        assert_same(inplace, want, nan_payload=False)
-    for dtype in FLOATS:
-        x = g.astype(dtype)
-        assert kernels.found_nonfinite(cp.asarray(x)) is ref.found_nonfinite(x) is (poison is not None)
+    found = cp.zeros(1, np.int32)
+    assert kernels.unscale(cp.asarray(g), cp.empty(g.size, np.float32), 1024.0, found=found) is None
+    assert int(found.get()[0]) == want_flag
+    g32 = g.astype(np.float32)
+    assert kernels.found_nonfinite(cp.asarray(g32)) is ref.found_nonfinite(g32) is (poison is not None)
+
+
+def test_dtypes_without_a_kernel_are_refused():
+    for dtype in ("float16", "float64"):
+        with pytest.raises(TypeError, match="scale takes float32"):
+            kernels.scale(cp.ones(8, dtype), 0.5)
+        with pytest.raises(TypeError, match="found_nonfinite takes float32"):
+            kernels.found_nonfinite(cp.ones(8, dtype))
+        with pytest.raises(TypeError, match="sq_norm takes float32"):
+            kernels.sq_norm(cp.ones(8, dtype))
+    with pytest.raises(TypeError, match="sq_norm_partial takes float32 input with float64 accumulation"):
+        kernels.sq_norm_partial(cp.ones(8, np.float32), acc_dtype=np.float32)
+    x = cp.ones(8, np.float32)
+    with pytest.raises(TypeError, match="unscale takes a float16 source"):
+        kernels.unscale(x, x, 2.0)
 
 
 # -- norm.cu ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 1000, 3 * 2 ** 20 + 7])
-@pytest.mark.parametrize("in_name,acc_name", ref.NORM_VARIANTS)
-def test_sq_norm_partial(in_name, acc_name, n, rng):
-    x = data(in_name, n, rng, specials=False, spread=30.0)
-    got = cp.asnumpy(kernels.sq_norm_partial(cp.asarray(x), 4.0, acc_dtype=acc_name))
-    want = ref.sq_norm_partial(x, 4.0, acc_dtype=acc_name)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    rtol = 1e-12 if acc_name == "float64" else 1e-4
-    np.testing.assert_allclose(got, want, rtol=rtol)
-    if acc_name == "float64":
-        assert kernels.sq_norm(cp.asarray(x), 4.0) == pytest.approx(ref.sq_norm(x, 4.0), rel=1e-12)
+def test_sq_norm_partial(n, rng):
+    """sq_norm_partial_f32_f64: the fp32 gradient's squared norm in fp64 sums."""
+    x = data(np.float32, n, rng, specials=False, spread=30.0)
+    got = cp.asnumpy(kernels.sq_norm_partial(cp.asarray(x), 4.0))
+    want = ref.sq_norm_partial(x, 4.0)
+    assert got.dtype == want.dtype == np.float64 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert kernels.sq_norm(cp.asarray(x), 4.0) == pytest.approx(ref.sq_norm(x, 4.0), rel=1e-12)
+    on_device = kernels.sq_norm(cp.asarray(x), 4.0, on_device=True)
+    assert isinstance(on_device, cp.ndarray) and on_device.dtype == np.float64

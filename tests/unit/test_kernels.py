@@ -37,12 +37,10 @@ EXPECTED_ENTRIES = {
     "reduce": [f"reduce_{op}_{t}" for op in ("sum", "prod", "max", "min")
                for t in ("f16", "f32", "f64", "i32", "i64")]
     + [f"reduce_{op}_{t}" for op in ("band", "bor", "bxor") for t in ("i32", "i64")]
-    + ["scale_f16", "scale_f32", "scale_f64", "divide_f16", "divide_f32", "divide_f64"],
+    + ["divide_f16", "divide_f32", "divide_f64", "scale_f32"],
     "adam": ["adam_step_f32"],
-    "cast": ["cast_f32_to_f16", "unscale_f16_to_f32", "unscale_f32",
-             "find_nonfinite_f16", "find_nonfinite_f32", "find_nonfinite_f64"],
-    "norm": ["sq_norm_partial_f16_f32", "sq_norm_partial_f16_f64", "sq_norm_partial_f32_f32",
-             "sq_norm_partial_f32_f64", "sq_norm_partial_f64_f64"],
+    "cast": ["cast_f32_to_f16", "unscale_f16_to_f32", "find_nonfinite_f32"],
+    "norm": ["sq_norm_partial_f32_f64"],
 }
 
 
@@ -177,8 +175,7 @@ def test_no_kernel_flushes_subnormals_under_cupys_ftz_flag(ptx, variant):
 
 @needs_nvcc
 def test_flags_are_one_atomic_per_block(ptx):
-    for name, entry in (("cast", "unscale_f16_to_f32"), ("cast", "unscale_f32"),
-                        ("cast", "find_nonfinite_f32")):
+    for name, entry in (("cast", "unscale_f16_to_f32"), ("cast", "find_nonfinite_f32")):
         body = entry_body(ptx[name, "file"], entry)
         assert "bar.red.or.pred" in body and "atom.global.or.b32" in body, entry
 
@@ -365,7 +362,7 @@ def test_integer_reduce_wraps_like_unsigned_arithmetic(pair, op):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(ref.SCALE_DTYPES), st.integers(1, 4096), st.data())
+@given(st.sampled_from(ref.DIVIDE_DTYPES), st.integers(1, 4096), st.data())
 def test_finalize_avg_is_ops_finalize(dtype, n, data):
     x = data.draw(hnp.arrays(dtype, data.draw(st.integers(0, 40)),
                              elements=st.floats(width=FLOAT_WIDTH[dtype.name])))
@@ -378,18 +375,13 @@ def test_finalize_avg_is_ops_finalize(dtype, n, data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(ref.SCALE_DTYPES), st.floats(-1e3, 1e3), st.data())
-def test_scale_rounds_the_factor_to_the_dtype(dtype, factor, data):
-    x = data.draw(hnp.arrays(dtype, data.draw(st.integers(0, 40)),
-                             elements=st.floats(width=FLOAT_WIDTH[dtype.name])))
+@given(hnp.arrays(np.float32, st.integers(0, 40), elements=st.floats(width=32)), st.floats(-1e3, 1e3))
+def test_scale_rounds_the_factor_to_fp32(x, factor):
+    """scale_f32's reference: the factor rounded to fp32 once, then one fp32 product."""
     with np.errstate(all="ignore"):
         expected = x.copy()
-        expected *= dtype.type(factor)
-        got = ref.scale(x.copy(), factor)
-        assert_same_bits(got, expected)
-        if dtype == np.float16:
-            model = (x.astype(np.float32) * np.float32(np.float16(factor))).astype(np.float16)
-            assert_same_values(got, model)
+        expected *= np.float32(factor)
+        assert_same_bits(ref.scale(x.copy(), factor), expected)
 
 
 def test_unknown_op():
@@ -583,12 +575,14 @@ def test_cast_to_half_is_write_back():
 
 
 @pytest.mark.parametrize("poison", [None, np.inf, -np.inf, np.nan])
-@pytest.mark.parametrize("src_dtype", [np.float16, np.float32])
-def test_unscale_is_the_strategy_unscale_and_check(src_dtype, poison):
+def test_unscale_and_found_nonfinite_are_the_strategy_check(poison):
+    """Mixed precision: the fp16 gradient cast to fp32, divided by the loss scale and checked
+    (unscale_f16_to_f32); fp32 training: the fp32 gradient checked (find_nonfinite_f32)."""
     rng = np.random.default_rng(2)
-    grad = (rng.standard_normal(999) * 1000).astype(src_dtype)
+    grad = (rng.standard_normal(999) * 1000).astype(np.float16)
+    grad32 = (rng.standard_normal(999) * 1000).astype(np.float32)
     if poison is not None:
-        grad[500] = poison
+        grad[500] = grad32[500] = poison
     scale = 2.0 ** 10
     expected = grad.astype(np.float32)  # Strategy.update
     expected /= scale
@@ -596,31 +590,21 @@ def test_unscale_is_the_strategy_unscale_and_check(src_dtype, poison):
     dst = np.empty(grad.size, np.float32)
     assert ref.unscale(grad, dst, scale) == overflow == (poison is not None)
     assert_same_bits(dst, expected)
-    assert ref.found_nonfinite(grad) == overflow
-    if src_dtype == np.float32:
-        inplace = grad.copy()
-        assert ref.unscale(inplace, inplace, scale) == overflow
-        assert_same_bits(inplace, expected)
+    assert ref.found_nonfinite(grad32) == (poison is not None)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_sq_norm_is_the_strategy_norm_and_the_partials_sum_to_it(dtype):
+def test_sq_norm_is_the_strategy_norm_and_the_partials_sum_to_it():
     rng = np.random.default_rng(4)
-    x = (rng.standard_normal(100_003) * 300).astype(dtype)
+    x = (rng.standard_normal(100_003) * 300).astype(np.float32)
     scale = 512.0
-    if dtype != np.float64:
-        grad = x.astype(np.float32)  # Strategy.update
-        grad /= scale
-        assert ref.sq_norm(x, scale) == float(np.dot(grad.astype(np.float64), grad))
+    grad = x.copy()  # Strategy.update: the fp32 gradient, unscaled
+    grad /= scale
     total = ref.sq_norm(x, scale)
-    for in_name, acc_name in ref.NORM_VARIANTS:
-        if in_name != np.dtype(dtype).name:
-            continue
-        partial = ref.sq_norm_partial(x, scale, acc_dtype=np.dtype(acc_name))
-        assert partial.dtype == np.dtype(acc_name)
-        assert partial.size == ref.default_blocks(x.size) == min(1024, -(-x.size // 256))
-        rtol = 1e-12 if acc_name == "float64" else 1e-5
-        assert math.isclose(float(partial.sum(dtype=np.float64)), total, rel_tol=rtol)
+    assert total == float(np.dot(grad.astype(np.float64), grad)) == ref.sq_norm(grad)
+    partial = ref.sq_norm_partial(x, scale)  # sq_norm_partial_f32_f64
+    assert partial.dtype == np.float64
+    assert partial.size == ref.default_blocks(x.size) == min(1024, -(-x.size // 256))
+    assert math.isclose(float(partial.sum(dtype=np.float64)), total, rel_tol=1e-12)
 
 
 def test_sq_norm_partial_layout_is_the_grid_stride_loop():
@@ -801,10 +785,10 @@ def fake_cupy(ptx_by_source, launches):
         empty=lambda n, dtype: FakeArray(np.zeros(n, dtype)))
 
 
-@pytest.fixture
-def fake_gpu(ptx, monkeypatch):
+def _faked_gpu(monkeypatch, ptx_by_source):
+    """ringcomm.kernels on fake_cupy(ptx_by_source); yields the list of launches."""
     launches = []
-    cp = fake_cupy(ptx, launches)
+    cp = fake_cupy(ptx_by_source, launches)
     caches = (kernels._module, kernels._function, kernels._max_blocks, kernels.backend)
     for cache in caches:
         cache.cache_clear()
@@ -812,6 +796,17 @@ def fake_gpu(ptx, monkeypatch):
     yield launches
     for cache in caches:
         cache.cache_clear()
+
+
+@pytest.fixture
+def fake_gpu(ptx, monkeypatch):
+    yield from _faked_gpu(monkeypatch, ptx)
+
+
+@pytest.fixture
+def fake_gpu_without_kernels(monkeypatch):
+    """A fake GPU whose modules have no entry points (no PTX needed): any launch fails."""
+    yield from _faked_gpu(monkeypatch, {})
 
 
 @needs_nvcc
@@ -829,21 +824,21 @@ def test_cupy_path_launches_match_the_ptx_signatures(fake_gpu):
             for op in ref.BITWISE:
                 kernels.reduce(op, dev(dtype), dev(dtype))
         if dtype.kind == "f":
-            kernels.scale(dev(dtype), 0.5)
             kernels.finalize("avg", dev(dtype), 4)
-            kernels.found_nonfinite(dev(dtype))
+    kernels.scale(dev(np.float32), 0.5)
+    assert kernels.found_nonfinite(dev(np.float32)) is False
     for weight_decay in (0.01, 0.0):
         assert kernels.adam_step(*(dev(np.float32) for _ in range(4)),
                                  1e-3, 0.9, 0.999, 1e-8, weight_decay, 3) is None
     half = dev(np.float16)
     assert kernels.cast_to_half(dev(np.float32), half) is half
-    src = dev(np.float32)
-    kernels.unscale(dev(np.float16), src, 128.0)
-    kernels.unscale(src, src, 128.0)
-    for in_name, acc_name in ref.NORM_VARIANTS:
-        partial = kernels.sq_norm_partial(dev(np.dtype(in_name), 5000), 4.0, acc_dtype=acc_name)
-        assert partial.dtype == np.dtype(acc_name) and partial.size == ref.default_blocks(5000)
-    assert kernels.sq_norm(dev(np.float16), 4.0) == 1000 / 16
+    dst = dev(np.float32)
+    assert kernels.unscale(dev(np.float16), dst, 128.0) is False
+    found = FakeArray(np.zeros(1, np.int32))
+    assert kernels.unscale(dev(np.float16), dst, 0.0, found=found) is None and found.data[0] == 1
+    partial = kernels.sq_norm_partial(dev(np.float32, 5000), 4.0)
+    assert partial.dtype == np.float64 and partial.size == ref.default_blocks(5000)
+    assert kernels.sq_norm(dev(np.float32), 4.0) == 1000 / 16
 
     launched = {name for name, _, _ in launches}
     every_entry = {e for entries in EXPECTED_ENTRIES.values() for e in entries}
@@ -879,6 +874,51 @@ def test_cupy_path_rejects_what_no_kernel_takes(fake_gpu):
         kernels.reduce("sum", FakeArray(np.ones(4, np.float32)), np.ones(4, np.float32))
 
 
+def test_cupy_path_refuses_dtypes_it_has_no_kernel_for(fake_gpu_without_kernels):
+    """scale, found_nonfinite and the norm have an fp32 kernel only (fp64 sums), unscale an
+    fp16 -> fp32 one only: on device arrays of another dtype each says what it takes, before
+    anything is launched or written. On numpy arrays the references still take them."""
+    launches = fake_gpu_without_kernels
+
+    def dev(dtype, n=8):
+        return FakeArray(np.ones(n, dtype))
+
+    found = FakeArray(np.zeros(1, np.int32))
+    for dtype in ("float16", "float64"):
+        x = dev(dtype)
+        with pytest.raises(TypeError, match=f"^scale takes float32 on a GPU, not {dtype}"):
+            kernels.scale(x, 0.5)
+        assert_same_bits(x.data, np.ones(8, dtype))
+        with pytest.raises(TypeError, match=f"^found_nonfinite takes float32 on a GPU, not {dtype}"):
+            kernels.found_nonfinite(dev(dtype), found=found)
+        with pytest.raises(TypeError, match=f"^sq_norm takes float32 on a GPU, not {dtype}"):
+            kernels.sq_norm(dev(dtype), on_device=True)
+        for acc in ("float32", "float64"):
+            with pytest.raises(TypeError, match=f"^sq_norm_partial takes float32 input with float64 "
+                                                f"accumulation on a GPU, not {dtype} input with {acc}"):
+                kernels.sq_norm_partial(dev(dtype), acc_dtype=acc)
+    with pytest.raises(TypeError, match="^sq_norm_partial takes float32 input with float64 accumulation "
+                                        "on a GPU, not float32 input with float32 accumulation"):
+        kernels.sq_norm_partial(dev(np.float32), acc_dtype=np.float32)
+    for dtype in ("float32", "float64"):
+        dst = dev(np.float32)
+        with pytest.raises(TypeError, match=f"^unscale takes a float16 source on a GPU, not a {dtype} source"):
+            kernels.unscale(dev(dtype), dst, 128.0, found=found)
+        assert_same_bits(dst.data, np.ones(8, np.float32))
+    inplace = dev(np.float32)  # the numpy path's in-place fp32 unscale has no kernel
+    with pytest.raises(TypeError, match="^unscale takes a float16 source on a GPU, not a float32 source"):
+        kernels.unscale(inplace, inplace, 128.0)
+    assert found.data[0] == 0 and launches == []
+
+    for dtype in ("float16", "float64"):
+        x = np.full(8, 3.0, dtype)
+        assert_same_bits(kernels.scale(x.copy(), 0.5), ref.scale(x.copy(), 0.5))
+        assert kernels.found_nonfinite(x) is False
+        assert kernels.sq_norm(x, 2.0) == ref.sq_norm(x, 2.0) == 8 * 1.5 ** 2
+    x = np.full(8, 2.0, np.float32)
+    assert kernels.unscale(x, x, 4.0) is False and (x == 0.5).all()
+
+
 def _pair(x):
     """(stand-in device copy, host copy) of x."""
     return FakeArray(x.copy()), x.copy()
@@ -903,7 +943,8 @@ def test_cupy_path_computes_what_the_references_compute(fake_gpu):
                 ref.reduce(op, host, b)
             assert_same_bits(dev.data, host) if op in ("max", "min") else assert_same_values(dev.data, host)
         if dtype.kind == "f":
-            for fn, arg in ((kernels.scale, 0.1), (kernels.divide, 3), (kernels.finalize, 5)):
+            scaling = ((kernels.scale, 0.1),) if dtype == np.float32 else ()  # scale_f32 only
+            for fn, arg in (*scaling, (kernels.divide, 3), (kernels.finalize, 5)):
                 dev, host = _pair(a)
                 with np.errstate(all="ignore"):
                     if fn is kernels.finalize:
@@ -932,27 +973,26 @@ def test_cupy_path_computes_what_the_references_compute(fake_gpu):
 
     x = special_fp32(rng, 5000)
     with np.errstate(over="ignore"):
-        x16, x64 = x.astype(np.float16), x.astype(np.float64)
+        x16 = x.astype(np.float16)
     dev, host = FakeArray(np.empty(x.size, np.float16)), np.empty(x.size, np.float16)
     with np.errstate(all="ignore"):
         kernels.cast_to_half(FakeArray(x), dev)
         ref.cast_to_half(x, host)
     assert_same_bits(dev.data, host)
-    for src in (x16, x):
-        dev, host = FakeArray(np.empty(src.size, np.float32)), np.empty(src.size, np.float32)
-        assert kernels.unscale(FakeArray(src), dev, 256.0) == ref.unscale(src, host, 256.0)
+    for loss_scale in (256.0, 3.0):
+        dev, host = FakeArray(np.empty(x16.size, np.float32)), np.empty(x16.size, np.float32)
+        assert kernels.unscale(FakeArray(x16), dev, loss_scale) == ref.unscale(x16, host, loss_scale) is True
         assert_same_bits(dev.data, host)
-    inplace, host = _pair(x)
-    assert kernels.unscale(inplace, inplace, 3.0) == ref.unscale(host, host, 3.0)
-    assert_same_bits(inplace.data, host)
-    for y in (x16, x, x64):
-        dtype = y.dtype
-        assert kernels.found_nonfinite(FakeArray(y)) == ref.found_nonfinite(y)
-        assert kernels.found_nonfinite(FakeArray(np.ones(9, dtype))) is False
+    finite16 = x16[np.isfinite(x16)]
+    dev, host = FakeArray(np.empty(finite16.size, np.float32)), np.empty(finite16.size, np.float32)
+    assert kernels.unscale(FakeArray(finite16), dev, 256.0) == ref.unscale(finite16, host, 256.0) is False
+    assert_same_bits(dev.data, host)
+    x32 = x16.astype(np.float32)  # inf where fp16 overflowed
+    assert kernels.found_nonfinite(FakeArray(x32)) == ref.found_nonfinite(x32) is True
+    assert kernels.found_nonfinite(FakeArray(np.ones(9, np.float32))) is False
 
-    for in_name, acc_name in ref.NORM_VARIANTS:
-        y = (rng.standard_normal(70_001) * 30).astype(in_name)
-        got = kernels.sq_norm_partial(FakeArray(y), 4.0, acc_dtype=acc_name)
-        assert_same_bits(got.data, ref.sq_norm_partial(y, 4.0, acc_dtype=acc_name))
-    y = (rng.standard_normal(70_001) * 30).astype(np.float16)
+    y = (rng.standard_normal(70_001) * 30).astype(np.float32)
+    y[:3] = np.float32(2.0 ** -149), np.float32(3e-39), -0.0  # subnormals and a signed zero
+    got = kernels.sq_norm_partial(FakeArray(y), 4.0)
+    assert_same_bits(got.data, ref.sq_norm_partial(y, 4.0))
     assert math.isclose(kernels.sq_norm(FakeArray(y), 4.0), ref.sq_norm(y, 4.0), rel_tol=1e-12)

@@ -7,8 +7,8 @@ the references on a GPU.
 """
 import numpy as np
 
-PREFIXES = ("reduce_", "scale_", "divide_", "adam_step_f32", "cast_f32_to_f16", "unscale_f16_to_f32",
-            "unscale_f32", "find_nonfinite_", "sq_norm_partial_", "ringcomm_probe")
+PREFIXES = ("reduce_", "divide_", "scale_f32", "adam_step_f32", "cast_f32_to_f16", "unscale_f16_to_f32",
+            "find_nonfinite_f32", "sq_norm_partial_f32_f64", "ringcomm_probe")
 
 
 def model(name, grid, block, a):
@@ -39,12 +39,15 @@ def model(name, grid, block, a):
                 else:
                     c = f32 if acc.dtype == np.float16 else acc.dtype.type
                     acc[...] = f(acc.astype(c), inc.astype(c)).astype(acc.dtype)
-        elif name.startswith(("scale_", "divide_")):
-            x, factor, n = a
+        elif name.startswith("divide_"):
+            x, divisor, n = a
             c = f32 if x.dtype == np.float16 else x.dtype.type
-            assert type(factor) is c, f"{name}: factor is {type(factor).__name__}, not {c.__name__}"
-            f = np.multiply if name.startswith("scale_") else np.true_divide
-            x[...] = f(x.astype(c), factor).astype(x.dtype)
+            assert type(divisor) is c, f"{name}: divisor is {type(divisor).__name__}, not {c.__name__}"
+            x[...] = (x.astype(c) / divisor).astype(x.dtype)
+        elif name == "scale_f32":
+            x, factor, n = a
+            assert x.dtype == f32 and type(factor) is f32, f"{name}: {x.dtype} x, {type(factor).__name__} factor"
+            x *= factor
         elif name == "adam_step_f32":
             (master, grad, m, v, wd, use_wd, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps, n) = a
             assert grad.dtype == f32 and master.dtype == f32
@@ -61,23 +64,20 @@ def model(name, grid, block, a):
             dst[...] = src.astype(np.float16)
         elif name == "unscale_f16_to_f32":
             src, dst, loss_scale, flag, n = a
+            assert src.dtype == np.float16 and dst.dtype == f32 and type(loss_scale) is f32
             dst[...] = src.astype(f32) / loss_scale
             flag[0] |= int(not np.isfinite(dst).all())
-        elif name == "unscale_f32":
-            x, loss_scale, flag, n = a
-            x[...] = x / loss_scale
-            flag[0] |= int(not np.isfinite(x).all())
-        elif name.startswith("find_nonfinite_"):
+        elif name == "find_nonfinite_f32":
             x, flag, n = a
+            assert x.dtype == f32
             flag[0] |= int(not np.isfinite(x).all())
-        elif name.startswith("sq_norm_partial_"):
+        elif name == "sq_norm_partial_f32_f64":
             x, divisor, partial, n = a
             assert partial.size == grid[0]
-            c = np.float64 if x.dtype == np.float64 else f32
-            assert type(divisor) is c
-            u = (x.astype(c) / divisor).astype(partial.dtype)
+            assert x.dtype == f32 and type(divisor) is f32 and partial.dtype == np.float64
+            u = (x / divisor).astype(np.float64)
             which = (np.arange(x.size) // block[0]) % grid[0]
-            partial[...] = np.bincount(which, weights=(u * u).astype(np.float64), minlength=grid[0])
+            partial[...] = np.bincount(which, weights=u * u, minlength=grid[0])
         else:
             raise AssertionError(f"no model for {name}")
     assert n == a[0].size, f"{name}: n={n} for {a[0].size} elements"
