@@ -143,7 +143,9 @@ PYTESTS = [  # (step, what to select in tests/gpu): the real CuPy only, never th
     ("kernel tests", ["tests/gpu/test_kernels_gpu.py"]),
     ("collectives tests", ["tests/gpu/test_collectives_gpu.py", "-k", "cuda and collectives_on"]),
     ("stream order probes", ["tests/gpu/test_collectives_gpu.py", "-k", "cuda and stream_order"]),
-    ("training vs cpu", ["tests/gpu/test_collectives_gpu.py", "-k", "cuda and training"])]
+    # a few steps of ddp, zero2 offloaded in fp32 and fp16, and zero3, against the CPU
+    ("training vs cpu", [f"tests/gpu/test_collectives_gpu.py::test_training_on_gpu_matches_cpu[cuda-{layout}]"
+                         for layout in ("ddp", "zero2_offload_fp32", "zero2_offload_fp16", "zero3")])]
 
 MIN_STEP_S = 10.0  # a step with less time than this left is not started
 

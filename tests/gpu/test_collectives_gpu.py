@@ -309,13 +309,20 @@ def cpu_run(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("strategy,extra", [
-    ("dp", ()), ("ddp", ()), ("zero1", ()), ("zero2", ()), ("zero3", ()),
-    ("zero2", ("--offload",)), ("zero2", ("--offload", "--precision", "fp16")),
-    ("zero3", ("--precision", "fp16")), ("ddp", ("--tp", "2")), ("ddp", ("--pp", "2")),
-    ("zero2", ("--precision", "fp16", "--clip-grad-norm", "0.5")), ("ddp", ("--clip-grad-norm", "0.5")),
-    ("zero1", ("--offload", "--precision", "fp16")), ("zero3", ("--offload",)),
-    ("zero3", ("--offload", "--precision", "fp16", "--bucket-mb", "0.01"))])
+LAYOUTS = {  # test id (what gpu_check selects) -> (strategy, extra arguments)
+    "dp": ("dp", ()), "ddp": ("ddp", ()), "zero1": ("zero1", ()), "zero2": ("zero2", ()),
+    "zero3": ("zero3", ()), "zero2_offload_fp32": ("zero2", ("--offload",)),
+    "zero2_offload_fp16": ("zero2", ("--offload", "--precision", "fp16")),
+    "zero3_fp16": ("zero3", ("--precision", "fp16")), "ddp_tp2": ("ddp", ("--tp", "2")),
+    "ddp_pp2": ("ddp", ("--pp", "2")),
+    "zero2_fp16_clip": ("zero2", ("--precision", "fp16", "--clip-grad-norm", "0.5")),
+    "ddp_clip": ("ddp", ("--clip-grad-norm", "0.5")),
+    "zero1_offload_fp16": ("zero1", ("--offload", "--precision", "fp16")),
+    "zero3_offload_fp32": ("zero3", ("--offload",)),
+    "zero3_offload_fp16": ("zero3", ("--offload", "--precision", "fp16", "--bucket-mb", "0.01"))}
+
+
+@pytest.mark.parametrize("strategy,extra", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_training_on_gpu_matches_cpu(strategy, extra, tmp_path, backend, cpu_run):
     name, env = backend
     reports = tmp_path / "standin"
