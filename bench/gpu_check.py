@@ -150,6 +150,11 @@ PYTESTS = [  # (step, what to select in tests/gpu): the real CuPy only, never th
 MIN_STEP_S = 10.0  # a step with less time than this left is not started
 
 
+def label(strategy, extra):
+    """How a training run is named in the report: ``"zero2 --offload --precision fp32"``."""
+    return " ".join([strategy, *extra])
+
+
 class Steps:
     """The check's clock and its JSON: each step's time limit is cut to what is left of the
     budget, and the report is written after every step."""
@@ -205,7 +210,7 @@ def main(argv=None):
     report = steps.report
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     names = ["subnormal probe", *(name for name, _ in PYTESTS), "collectives",
-             *(s + "".join(e) for s, e in STRATEGIES), "torch backend"]
+             *(label(s, e) for s, e in STRATEGIES), "torch backend"]
 
     try:
         import cupy
@@ -261,10 +266,10 @@ def main(argv=None):
             precision = [] if "--precision" in extra else ["--precision", "fp16"]
             cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu", "-m", "ringcomm.train",
                    "--strategy", strategy, *extra, *precision, "--steps", "40", "--metrics-json", metrics]
-            result = steps.run(strategy + "".join(extra), cmd, 120, env)
+            result = steps.run(label(strategy, extra), cmd, 120, env)
             if result is None:
                 continue
-            entry = {"strategy": strategy + " ".join(["", *extra]), "returncode": result.returncode,
+            entry = {"strategy": label(strategy, extra), "returncode": result.returncode,
                      "seconds": result.seconds}
             if result.returncode == 0:
                 with open(metrics) as m:

@@ -2,7 +2,7 @@
 // never-flushed arithmetic and comparisons, widening, grid-stride loop). Included by each
 // *.cu; ringcomm/kernels/__init__.py inlines it for NVRTC.
 #pragma once
-// ---- common prelude: identical in every kernels/*.cu (tests/unit/test_kernels.py checks) ----
+// ---- common prelude: identical in every kernels/*.cu (tests/unit/test_kernels_compile.py checks) ----
 // fp16: cuda_fp16.h's __half by default (nvcc has it; CuPy's RawModule finds the copy CuPy
 // bundles). -DRINGCOMM_NO_CUDA_FP16 swaps in a two-byte struct with the same layout and the
 // same two PTX conversions that __half2float / __float2half_rn emit, for an NVRTC that cannot

@@ -20,7 +20,7 @@ def test_without_a_gpu_the_json_says_so(tmp_path):
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] is False and "no GPU here" in report["error"]
-    assert "subnormal probe" in report["not_run"] and "stream order probes" in report["not_run"] and "zero2--offload--precisionfp32" in report["not_run"]
+    assert "subnormal probe" in report["not_run"] and "stream order probes" in report["not_run"] and "zero2 --offload --precision fp32" in report["not_run"]
 
 
 def test_a_step_out_of_time_and_one_past_the_budget_are_recorded(tmp_path, monkeypatch):

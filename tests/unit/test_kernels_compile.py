@@ -1,0 +1,178 @@
+"""ringcomm.kernels' CUDA sources: nvcc compiles each to PTX with the expected entry points,
+as it is and without cuda_fp16.h, from one common prelude; the kernels that promise numpy's bits
+have no fused multiply-add, no kernel flushes subnormals under CuPy's -ftz=true, the flags take
+one atomic per block, the PTX assembles for sm_80; NVRTC compiles the strings cupy.RawModule
+gets, through the loader's fallback to its own fp16 type."""
+import ctypes
+import ctypes.util
+import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ringcomm import kernels
+
+from kernel_helpers import EXPECTED_ENTRIES, KERNEL_DIR, NVCC, VARIANTS, needs_nvcc, ptx_entries
+from kernel_helpers import ptx as ptx  # the fixture, which the tests here take by name
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def entry_body(text, name):
+    start = text.index(f".entry {name}(")
+    return text[start:text.index("\n}", start)]
+
+
+def test_sources_are_the_cu_files():
+    assert sorted(p.stem for p in KERNEL_DIR.glob("*.cu")) == sorted(kernels.SOURCES)
+    assert {k: sorted(v) for k, v in kernels.ENTRY_POINTS.items()} == {k: sorted(v) for k, v in EXPECTED_ENTRIES.items()}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", kernels.SOURCES)
+def test_ptx_has_every_entry_point(ptx, name, variant):
+    entries = ptx_entries(ptx[name, variant])
+    assert sorted(entries) == sorted(EXPECTED_ENTRIES[name])
+    assert ".target sm_80" in ptx[name, variant]
+
+
+PRELUDE = re.compile(r"^// ---- common prelude:.*?^// ---- end of common prelude ----$", re.MULTILINE | re.DOTALL)
+
+
+def test_every_source_shares_one_prelude_and_compiles_from_one_string():
+    """Each *.cu includes common.cuh; what RawModule gets has it written out, exactly once."""
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    assert len(PRELUDE.findall(common)) == 1
+    for name in kernels.SOURCES:
+        text = (KERNEL_DIR / f"{name}.cu").read_text()
+        assert text.count('#include "common.cuh"') == 1 and not PRELUDE.findall(text)
+        code = kernels.module_source(name)
+        assert '#include "' not in code, f"{name}: RawModule gets one string, no local includes"
+        assert PRELUDE.findall(code) == PRELUDE.findall(common)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_exact_kernels_are_never_contracted_to_fma(ptx, variant):
+    """reduce/adam/cast promise numpy's bits: one rounding per operation, no fused multiply-add."""
+    for name in ("reduce", "adam", "cast"):
+        assert "fma." not in ptx[name, variant], f"{name}.cu ({variant}) has an FMA"
+    body = entry_body(ptx["adam", variant], "adam_step_f32")
+    for instr in ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32", "sub.rn.f32"):
+        assert instr in body, f"adam_step_f32: no {instr}"
+    assert "sqrt.approx" not in body and "div.approx" not in body and "div.full" not in body
+    # the fp16 conversions are the two exact PTX ones, with cuda_fp16.h or without it
+    assert "cvt.rn.f16.f32" in entry_body(ptx["cast", variant], "cast_f32_to_f16")
+    assert "cvt.f32.f16" in entry_body(ptx["cast", variant], "unscale_f16_to_f32")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_kernel_flushes_subnormals_under_cupys_ftz_flag(ptx, variant):
+    """CuPy compiles with -ftz=true; numpy keeps fp32 subnormals, so no instruction of any
+    kernel may be the flushing (.ftz) form: sums, products, quotients, square roots, the
+    comparisons of max/min and the fp32 -> fp64 widening of the norm."""
+    for name in kernels.SOURCES:
+        flushing = sorted(set(re.findall(r"\b[a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*", ptx[name, variant])))
+        assert not flushing, f"{name}.cu ({variant}) flushes subnormals: {flushing}"
+    for entry in ("reduce_max_f32", "reduce_min_f32"):
+        assert "setp." in entry_body(ptx["reduce", variant], entry)
+
+
+@needs_nvcc
+def test_flags_are_one_atomic_per_block(ptx):
+    for name, entry in (("cast", "unscale_f16_to_f32"), ("cast", "find_nonfinite_f32")):
+        body = entry_body(ptx[name, "file"], entry)
+        assert "bar.red.or.pred" in body and "atom.global.or.b32" in body, entry
+
+
+@needs_nvcc
+def test_ptx_assembles_for_sm80(ptx, tmp_path):
+    ptxas = shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")
+    if not Path(ptxas).is_file():
+        pytest.skip("ptxas not found beside nvcc")
+    for name in kernels.SOURCES:
+        src = tmp_path / f"{name}.ptx"
+        src.write_text(ptx[name, "file"])
+        proc = subprocess.run([ptxas, "-arch=sm_80", str(src), "-o", str(tmp_path / f"{name}.cubin")],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_compile_falls_back_to_own_fp16_only_for_cuda_fp16_errors():
+    calls = []
+
+    def fails_on_header(code, options):
+        calls.append(options)
+        if kernels.NO_CUDA_FP16 not in options:
+            raise RuntimeError('k.cu(32): catastrophic error: could not open source file "cuda_fp16.h"')
+        return "module"
+
+    assert kernels.compile_with_fallback(fails_on_header, "code") == "module"
+    assert calls == [kernels.COMPILE_OPTIONS, kernels.COMPILE_OPTIONS + (kernels.NO_CUDA_FP16,)]
+
+    def syntax_error(code, options):
+        raise RuntimeError("k.cu(3): error: expected a ;")
+
+    with pytest.raises(RuntimeError, match="expected a ;"):
+        kernels.compile_with_fallback(syntax_error, "code")
+
+
+def find_nvrtc():
+    """libnvrtc.so from the nvidia-cuda-nvrtc-cu12 wheel, the CUDA toolkit, or the loader path."""
+    candidates = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(Path(root).glob("cuda_nvrtc/lib/libnvrtc.so*"))
+    candidates += sorted(Path("/usr/local/cuda/lib64").glob("libnvrtc.so*"))
+    candidates = [c for c in candidates if "builtins" not in c.name and ".alt." not in c.name]
+    if candidates:
+        return str(candidates[0])
+    return ctypes.util.find_library("nvrtc")
+
+
+def nvrtc_compiler(path):
+    """compile(code, options) -> PTX with NVRTC through ctypes, raising with NVRTC's log."""
+    for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so*")):
+        if ".alt." not in builtins.name:
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(path)
+
+    def compile(code, options):
+        options = [*options, "-arch=compute_80"]
+        prog = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), b"kernels.cu", 0, None, None) == 0
+        try:
+            argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+            rc = lib.nvrtcCompileProgram(prog, len(options), argv)
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            if rc != 0:
+                raise RuntimeError(log.value.decode(errors="replace"))
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            ptx_text = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, ptx_text)
+            return ptx_text.value.decode()
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+    return compile
+
+
+@pytest.mark.parametrize("name", kernels.SOURCES)
+def test_nvrtc_compiles_the_module_strings(name):
+    """What cupy.RawModule does, without a GPU: NVRTC on module_source(name), through the
+    loader's fallback (NVRTC alone has no cuda_fp16.h; CuPy adds its own copy)."""
+    path = find_nvrtc()
+    if path is None:
+        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12 to run this check)")
+    text = kernels.compile_with_fallback(nvrtc_compiler(path), kernels.module_source(name))
+    assert sorted(ptx_entries(text)) == sorted(EXPECTED_ENTRIES[name])
+    if name != "norm":
+        assert "fma." not in text
