@@ -143,16 +143,23 @@ PYTESTS = [  # (step, what to select in tests/gpu): the real CuPy only, never th
     ("kernel tests", ["tests/gpu/test_kernels_gpu.py"]),
     ("collectives tests", ["tests/gpu/test_collectives_gpu.py", "-k", "cuda and collectives_on"]),
     ("stream order probes", ["tests/gpu/test_collectives_gpu.py", "-k", "cuda and stream_order"]),
-    # a few steps of ddp, zero2 offloaded in fp32 and fp16, and zero3, against the CPU
+    # a few steps against the CPU: ddp, zero2 offloaded in fp32 and fp16, zero3, and the fp16
+    # and fp32 GPU updates with clipping (unscale, the fp16 cast, scale, the squared norm)
     ("training vs cpu", [f"tests/gpu/test_collectives_gpu.py::test_training_on_gpu_matches_cpu[cuda-{layout}]"
-                         for layout in ("ddp", "zero2_offload_fp32", "zero2_offload_fp16", "zero3")])]
+                         for layout in ("ddp", "zero2_offload_fp32", "zero2_offload_fp16", "zero3",
+                                        "zero2_fp16_clip", "ddp_clip")])]
 
 MIN_STEP_S = 10.0  # a step with less time than this left is not started
 
 
+def training_args(extra):
+    """A training run's arguments: fp16 unless it says otherwise."""
+    return list(extra) if "--precision" in extra else [*extra, "--precision", "fp16"]
+
+
 def label(strategy, extra):
     """How a training run is named in the report: ``"zero2 --offload --precision fp32"``."""
-    return " ".join([strategy, *extra])
+    return " ".join([strategy, *training_args(extra)])
 
 
 class Steps:
@@ -263,9 +270,8 @@ def main(argv=None):
     for strategy, extra in STRATEGIES:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = os.path.join(tmp, "m.json")
-            precision = [] if "--precision" in extra else ["--precision", "fp16"]
             cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu", "-m", "ringcomm.train",
-                   "--strategy", strategy, *extra, *precision, "--steps", "40", "--metrics-json", metrics]
+                   "--strategy", strategy, *training_args(extra), "--steps", "40", "--metrics-json", metrics]
             result = steps.run(label(strategy, extra), cmd, 120, env)
             if result is None:
                 continue

@@ -34,3 +34,16 @@ def test_a_step_out_of_time_and_one_past_the_budget_are_recorded(tmp_path, monke
     steps.end = 0  # the budget is spent
     assert steps.run("never", [sys.executable, "-c", "pass"], timeout=30) is None
     assert "never" in json.loads((tmp_path / "gpu_check.json").read_text())["not_run"]
+
+
+def test_every_pytest_selection_names_tests_that_exist():
+    """A renamed test or layout id would only show on a GPU machine (pytest: "not found")."""
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    for name, selection in gpu_check.PYTESTS:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly",
+                               *selection], cwd=root, capture_output=True, text=True, timeout=50)
+        if proc.returncode == 5 and "need CuPy" in proc.stdout:
+            continue  # a module that skips itself without CuPy (the kernel tests): it is there
+        assert proc.returncode == 0, f"{name}: {proc.stdout[-1500:]}{proc.stderr[-1500:]}"
+        assert "cuda" in proc.stdout, f"{name} selects no test of the real CuPy: {proc.stdout[-1500:]}"

@@ -167,12 +167,14 @@ def nvrtc_compiler(path):
 
 @pytest.mark.parametrize("name", kernels.SOURCES)
 def test_nvrtc_compiles_the_module_strings(name):
-    """What cupy.RawModule does, without a GPU: NVRTC on module_source(name), through the
-    loader's fallback (NVRTC alone has no cuda_fp16.h; CuPy adds its own copy)."""
+    """What cupy.RawModule does, without a GPU: NVRTC on module_source(name) with CuPy's
+    ``-ftz=true``, through the loader's fallback (NVRTC alone has no cuda_fp16.h; CuPy adds
+    its own copy); nothing is contracted to an FMA and no instruction flushes subnormals."""
     path = find_nvrtc()
     if path is None:
         pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12 to run this check)")
-    text = kernels.compile_with_fallback(nvrtc_compiler(path), kernels.module_source(name))
+    compile_ = nvrtc_compiler(path)
+    text = kernels.compile_with_fallback(lambda code, options: compile_(code, [*options, "-ftz=true"]),
+                                         kernels.module_source(name))
     assert sorted(ptx_entries(text)) == sorted(EXPECTED_ENTRIES[name])
-    if name != "norm":
-        assert "fma." not in text
+    assert "fma." not in text and ".ftz" not in text
