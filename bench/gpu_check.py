@@ -1,7 +1,7 @@
 """``make gpu-check``: everything that needs a GPU, in one short script (``--budget``, 540 s).
 
-Run on a machine with a CUDA GPU and CuPy (for example the lent H200 machine, whose Python
-has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). Steps:
+Run on a machine with a CUDA GPU and CuPy (one without network and without pyzmq gets it as
+a wheel in ``.whl/``, see the README). Steps:
 
 1. environment: CuPy version, devices, whether the kernels compile (``ringcomm.kernels``);
 2. the subnormal probe: the fp32 kernels on subnormal operands (sum, product, max/min ties
@@ -10,8 +10,8 @@ has CuPy but not pyzmq: carry pyzmq as a wheel in ``.whl/``, see the README). St
 3. ``pytest tests/gpu`` on the real CuPy, in four steps: the kernels against their numpy
    references; every collective on CuPy arrays at N = 2 and 4 against numpy; the stream
    order probes (the caller on a non-blocking stream, and with per-thread default streams);
-   three kinds of training (ddp, zero1-3, zero2 offload in fp32 and fp16, fp16, tp, pp)
-   against the same run on the CPU;
+   a few training steps of six layouts (ddp, zero3, zero2 offloaded in fp32 and fp16, and
+   zero2 fp16 and ddp fp32 with clipping) against the same run on the CPU;
 4. collectives on the GPU: ring vs parameter-server all-reduce at 4 and 64 MiB on 4 workers
    sharing the GPU(s), of CuPy arrays (staged through pinned memory) and of numpy arrays
    (the CPU path) in the same job, checked against the closed form, timed (median of 5);

@@ -149,18 +149,16 @@ class StagedDevice(HostDevice):
         the transport (which copies it) before staging another."""
         self.release()
         nbytes = array.nbytes
+        number, window = slot or (None, self._buffers[self._next])
         if slot is not None:
-            number, window = slot
             self._pin(window)
-            host = window[:nbytes].view(array.dtype)
-            staged = Staged(host, self._to_host(array, host), number)
-            self.slot_copies += 1
-        else:
-            if nbytes > self.slot_bytes:
-                raise ValueError(f"segment of {nbytes} bytes exceeds the {self.slot_bytes}-byte staging buffer")
-            host = self._buffers[self._next][:nbytes].view(array.dtype)
-            staged = Staged(host, self._to_host(array, host))
+        elif nbytes > self.slot_bytes:
+            raise ValueError(f"segment of {nbytes} bytes exceeds the {self.slot_bytes}-byte staging buffer")
+        host = window[:nbytes].view(array.dtype)
+        staged = Staged(host, self._to_host(array, host), number)
+        if slot is None:
             self._next = (self._next + 1) % self.BUFFERS
+        self.slot_copies += slot is not None
         self.copies_out += 1
         return staged
 

@@ -63,8 +63,7 @@ class Strategy:
         """The optimizer step after :meth:`finish_backward`; returns ``(loss, skipped)``: the
         sum of every rank's ``loss_share`` and whether the step was skipped (fp16 overflow
         anywhere in the job)."""
-        # offload: the optimizer step runs on the host; fp16 crosses as fp16
-        grad = self.offloaded_grad() if self.cfg.offload else self.owned_grad()
+        grad = self.step_grad()
         flags = np.array([0.0, 0.0, loss_share])
         if grad is not None:
             grad = self._checked_fp32(grad, flags)
@@ -76,18 +75,14 @@ class Strategy:
             self.optimizer.begin_step()
             for master, lo, hi in self.master_pieces():
                 self.optimizer.update(master, grad[lo:hi], lo)
-                self.piece_updated(lo, hi)
             self.write_back()
         self.publish(skipped)
         return float(flags[2]), skipped
 
-    def offloaded_grad(self):
-        """The gradient :meth:`owned_grad` in host memory, for an offloaded optimizer step."""
-        grad = self.owned_grad()
-        return None if grad is None else to_host(grad)
-
-    def piece_updated(self, lo, hi):
-        """After the optimizer step on master elements [lo, hi) (see :meth:`master_pieces`)."""
+    def step_grad(self):
+        """The gradient the optimizer step takes: :meth:`owned_grad` (ZeRO's offload brings
+        it to the host)."""
+        return self.owned_grad()
 
     def _checked_fp32(self, grad, flags):
         """A fresh fp32 copy of ``grad`` (clipping scales it in place), with ``flags[0]`` set

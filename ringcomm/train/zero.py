@@ -75,7 +75,6 @@ class Zero(Strategy):
         if self._offloaded_from_device():
             self.host_shard = self.reg.alloc(self.optimizer_category, "host shard", lay.shard_total, self.dtype)
             self._copies = self.xp.cuda.Stream(non_blocking=True)  # the copy stream
-            self._unit_at = {u.shard_start: u for u in lay.units}
         self.make_optimizer(lay.shard_total)
         self._countdown = Countdown(lay)
         self._pending = []  # (unit, work) reduce-scatters in flight
@@ -156,13 +155,9 @@ class Zero(Strategy):
         self._free_finished()
 
     def _reduce_scatter(self, unit):
-        if self.sharded("grads"):
-            source = self._unit_grads[unit.index]
-            out = self.layout.shard_view(self.grad_shard, unit)
-        else:  # in place: this rank's slice of the unit receives the sum
-            source = self.flat_grads[unit.start:unit.stop]
-            out = self.flat_grads[slice(*unit.own_range(self.rank))]
-        work = self.comm.reduce_scatter(out, source, algorithm=self.algorithm, async_op=True)
+        # stage 1 in place: this rank's slice of the unit receives the sum
+        source = self._unit_grads[unit.index] if self.sharded("grads") else self.flat_grads[unit.start:unit.stop]
+        work = self.comm.reduce_scatter(self._own_grads(unit), source, algorithm=self.algorithm, async_op=True)
         self._pending.append((unit, work))
 
     def _free_finished(self, wait=False):
@@ -187,13 +182,22 @@ class Zero(Strategy):
     def _grad_down(self, unit, work):
         """Queue the copy of ``unit``'s reduced gradient slice into the host shard on the
         copy stream, after the reduce-scatter's device work."""
-        if self.sharded("grads"):
-            src = self.layout.shard_view(self.grad_shard, unit)
-        else:
-            src = self.flat_grads[slice(*unit.own_range(self.rank))]
         with self._copies:
             work.wait()  # the copy stream, current here, waits for the reduce-scatter
-            src.get(stream=self._copies, out=self.layout.shard_view(self.host_shard, unit), blocking=False)
+            self._own_grads(unit).get(stream=self._copies, out=self.layout.shard_view(self.host_shard, unit),
+                                      blocking=False)
+
+    def _own_grads(self, unit):
+        """This rank's slice of ``unit``'s gradients (its reduced sum after the reduce-scatter)."""
+        if self.sharded("grads"):
+            return self.layout.shard_view(self.grad_shard, unit)
+        return self.flat_grads[slice(*unit.own_range(self.rank))]
+
+    def _own_params(self, unit):
+        """This rank's slice of ``unit``'s parameters, in the shard or in the full buffer."""
+        if self.sharded("params"):
+            return self.layout.shard_view(self.param_shard, unit)
+        return self.flat_params[slice(*unit.own_range(self.rank))]
 
     def finish_backward(self):
         self._countdown.reset()
@@ -220,42 +224,40 @@ class Zero(Strategy):
     def _offloaded_from_device(self):
         return self.cfg.offload and self.xp is not np
 
-    def offloaded_grad(self):
+    def step_grad(self):
+        """Offloaded (the step runs on the host; fp16 crosses as fp16) from a GPU: the host
+        shard, once every unit's slice, which started down when its reduce-scatter finished,
+        is there (the step's decision needs all of them)."""
         if not self._offloaded_from_device():
-            return super().offloaded_grad()
-        # every unit's slice started down when its reduce-scatter finished; the step's
-        # decision needs all of them. The parameters go up after the device work queued so
-        # far: today the last reduce-scatter already follows every kernel that reads them,
-        # but a read queued after backward (a hook, an evaluation) must not race the copy
-        self._copies.wait_event(self.xp.cuda.get_current_stream().record(self._event()))
+            return self.owned_grad()
         self._copies.synchronize()
+        # the parameters go up after the device work queued so far: today the last
+        # reduce-scatter already follows every kernel that reads them, but a read queued
+        # after backward (a hook, an evaluation) must not race the copies
+        self._copies.wait_event(self.xp.cuda.get_current_stream().record(self._event()))
         return self.host_shard
 
     def _event(self):
         return self.xp.cuda.Event(disable_timing=True)  # ordering only
 
     def master_pieces(self):
+        """Offloaded from a GPU, a unit at a time: once the host has updated a unit's piece
+        and asks for the next, that piece (cast to the parameter dtype in the host shard,
+        whose gradient was read) starts up on the copy stream."""
         lay = self.layout
-        if self._offloaded_from_device():  # a unit at a time: each goes up as the next is updated
-            return [(self.master[u.shard_start:u.shard_start + u.shard_size], u.shard_start,
-                     u.shard_start + u.shard_size) for u in lay.units]
-        if self.keeps_master():
-            return [(self.master, 0, lay.shard_total)]
-        if self.sharded("params"):
-            return [(self.param_shard, 0, lay.shard_total)]
-        return [(self.flat_params[slice(*u.own_range(self.rank))], u.shard_start, u.shard_start + u.shard_size)
-                for u in lay.units]
-
-    def piece_updated(self, lo, hi):
-        if not self._offloaded_from_device():
-            return
-        host = self.host_shard[lo:hi]  # its gradient was read: it carries the parameters up
-        host[...] = self.master[lo:hi]  # rounded to the parameter dtype as the cast kernel does
-        if self.sharded("params"):
-            dst = self.param_shard[lo:hi]
+        if self._offloaded_from_device():
+            for u in lay.units:
+                yield lay.shard_view(self.master, u), u.shard_start, u.shard_start + u.shard_size
+                host = lay.shard_view(self.host_shard, u)
+                host[...] = lay.shard_view(self.master, u)  # rounded as the cast kernel rounds
+                self._own_params(u).set(host, stream=self._copies)
+        elif self.keeps_master():
+            yield self.master, 0, lay.shard_total
+        elif self.sharded("params"):
+            yield self.param_shard, 0, lay.shard_total
         else:
-            dst = self.flat_params[slice(*self._unit_at[lo].own_range(self.rank))]
-        dst.set(host, stream=self._copies)
+            for u in lay.units:
+                yield self._own_params(u), u.shard_start, u.shard_start + u.shard_size
 
     def write_back(self):
         if self._offloaded_from_device():  # what follows on the device waits for the copies up
@@ -274,7 +276,7 @@ class Zero(Strategy):
         works = []
         for unit in self.layout.units:
             full = self.flat_params[unit.start:unit.stop]
-            mine = self.flat_params[slice(*unit.own_range(self.rank))]
+            mine = self._own_params(unit)
             works.append((unit, self.comm.all_gather(full, mine, algorithm=self.algorithm, async_op=True)))
         for unit, work in works:
             work.wait()
@@ -328,5 +330,5 @@ class Zero(Strategy):
             self.layout.scatter_shard(shard, self.flat_params, self.rank)
             for unit in self.layout.units:
                 full = self.flat_params[unit.start:unit.stop]
-                self.comm.all_gather(full, self.flat_params[slice(*unit.own_range(self.rank))], algorithm=self.algorithm)
+                self.comm.all_gather(full, self._own_params(unit), algorithm=self.algorithm)
         self.optimizer.load_state(state)

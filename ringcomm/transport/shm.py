@@ -186,6 +186,7 @@ class InLanes:
         self.nslots = nslots
         self.slot_bytes, self._ack_bytes, self._total = _layout(nslots, slot_bytes)
         self._lanes = {}  # src -> (ack table, mapping)
+        self._slots_at = {}  # src -> address of its lane's first slot (see slot_of)
 
     def open(self, src, path):
         """Map the lane from rank ``src`` at ``path`` and unlink its name. Raises ``OSError``
@@ -205,7 +206,9 @@ class InLanes:
             os.unlink(path)  # both ends hold the mapping; the name is no longer needed
         except FileNotFoundError:
             pass
-        self._lanes[src] = (np.frombuffer(mapped, np.uint64, self.nslots), mapped)
+        ack = np.frombuffer(mapped, np.uint64, self.nslots)  # at the start of the mapping
+        self._lanes[src] = (ack, mapped)
+        self._slots_at[src] = ack.__array_interface__["data"][0] + self._ack_bytes
 
     def take(self, src, notice, nbytes):
         """A read-only uint8 array over the segment that ``notice`` from ``src`` names.
@@ -235,19 +238,19 @@ class InLanes:
         """The whole slot (a read-only uint8 array) that ``array``, taken from a lane, lies
         in; ``None`` for memory outside the lanes."""
         address = array.__array_interface__["data"][0]
-        for _, mapped in self._lanes.values():
-            base = np.frombuffer(mapped, np.uint8, 1)
-            offset = address - base.__array_interface__["data"][0] - self._ack_bytes
+        for src, first in self._slots_at.items():
+            offset = address - first
             if 0 <= offset < self.nslots * self.slot_bytes:
                 start = self._ack_bytes + offset // self.slot_bytes * self.slot_bytes
-                slot = np.frombuffer(mapped, np.uint8, self.slot_bytes, start)
+                slot = np.frombuffer(self._lanes[src][1], np.uint8, self.slot_bytes, start)
                 slot.flags.writeable = False
                 return slot
         return None
 
     def close(self):
         mappings = [mapped for _, mapped in self._lanes.values()]
-        self._lanes.clear()  # drops the ack tables over the mappings
+        self._lanes.clear()
+        self._slots_at.clear()  # drops the ack tables over the mappings
         for mapped in mappings:
             try:
                 mapped.close()

@@ -37,6 +37,19 @@ def backend(request):
     return "standin", {"PYTHONPATH": path, "CUPY_STANDIN_DEVICES": "4"}
 
 
+def rank_outputs(script, n, env, timeout):
+    """What each of ``n`` fresh ranks running ``script`` printed, once all exited cleanly."""
+    results = spawn_job(script, n, env=env, timeout=timeout)
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 0, f"rank {rank}: {err[-3000:]}"
+    return [out for _, out, _ in results]
+
+
+def reported(out, tag):
+    """The JSON a rank printed after ``tag``."""
+    return json.loads(next(x for x in out.splitlines() if x.startswith(tag + " ")).split(" ", 1)[1])
+
+
 COLLECTIVES = textwrap.dedent("""
     import cupy as cp, numpy as np, ringcomm
     comm = ringcomm.init(device="gpu")
@@ -93,8 +106,7 @@ COLLECTIVES = textwrap.dedent("""
 def test_collectives_on_cupy_arrays(n, backend):
     name, env = backend
     script = COLLECTIVES.replace("BIG", "1_000_003" if name == "cuda" else "100_003")
-    for code, out, err in spawn_job(script, n, env=env, timeout=240):
-        assert code == 0, err
+    for out in rank_outputs(script, n, env, timeout=240):
         assert "BAD 0 True" in out, out
 
 
@@ -187,8 +199,7 @@ STREAMS = textwrap.dedent("""
 def test_stream_order_with_the_callers_stream(n, caller, backend):
     name, env = backend
     env = dict(env, CALLER=caller, CUPY_CUDA_PER_THREAD_DEFAULT_STREAM="1" if caller == "per-thread" else "0")
-    for code, out, err in spawn_job(STREAMS, n, env=env, timeout=240):
-        assert code == 0, err
+    for out in rank_outputs(STREAMS, n, env, timeout=240):
         assert "BAD []" in out, out
 
 
@@ -242,12 +253,9 @@ def test_staging_is_double_buffered_and_receives_reuse_device_memory(backend):
     # lanes of 128 slots, more than the calls before the measured broadcast can hold (a slot
     # waits for its copy to the device): none of its segments falls back to ZeroMQ
     env = dict(env, RINGCOMM_SEGMENT_BYTES=str(256 << 10), RINGCOMM_SHM_SLOTS="128")
-    results = spawn_job(STAGING, 3, env=env, timeout=120)
-    for rank, (code, out, err) in enumerate(results):
-        assert code == 0, err
-        line = next(x for x in out.splitlines() if x.startswith("STAGING "))
-        got = json.loads(line.split(" ", 1)[1])
-        broadcast = got["broadcast"]
+    for rank, out in enumerate(rank_outputs(STAGING, 3, env, timeout=120)):
+        got = reported(out, "STAGING")
+        line, broadcast = json.dumps(got), got["broadcast"]
         assert got["ok"], line
         assert got["reduced"] == {"allocations": 0}, f"rank {rank}: device memory per received segment: {line}"
         assert broadcast["allocations"] == 0, f"rank {rank}: {line}"
@@ -282,8 +290,7 @@ WINDOW = textwrap.dedent("""
 def test_staged_sends_respect_the_point_to_point_window(backend):
     name, env = backend
     env = dict(env, RINGCOMM_SEGMENT_BYTES="65536", RINGCOMM_P2P_WINDOW_BYTES=str(4 * 65536))
-    (code0, out0, err0), (code1, out1, err1) = spawn_job(WINDOW, 2, env=env, timeout=60)
-    assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
+    out0, out1 = rank_outputs(WINDOW, 2, env, timeout=60)
     assert "WINDOW sent" in out0 and "WINDOW True" in out1, out0 + out1
 
 
@@ -386,9 +393,8 @@ def test_offloaded_copies_use_the_copy_stream_unit_by_unit(stage, backend):
     script = OFFLOAD + "\n"
     args = ["--strategy", stage, "--offload", "--device", "gpu", "--steps", "2", "--batch-size", "32",
             "--samples", "128", "--layers", "32,64,48,10", "--bucket-mb", "0.0005", "--precision", "fp16"]
-    for code, out, err in spawn_job(script.replace("sys.argv[1:]", repr(args)), 2, env=env, timeout=120):
-        assert code == 0, err
-        got = json.loads(next(x for x in out.splitlines() if x.startswith("OFFLOAD ")).split(" ", 1)[1])
+    for out in rank_outputs(script.replace("sys.argv[1:]", repr(args)), 2, env, timeout=120):
+        got = reported(out, "OFFLOAD")
         units, order = got["units"], got["order"]
         assert units >= 3, got
         assert order.count("down") == 2 * units and not any(got["blocking"]), got

@@ -1,7 +1,6 @@
 """What the kernel tests (tests/unit/test_kernels*.py) share: where the sources are and which
-entry points each must have, bit-for-bit comparison, inputs with fp16's special values, and the
-PTX of every source from nvcc (the ``ptx`` fixture, which the modules that use it import)."""
-import concurrent.futures
+entry points each must have, bit-for-bit comparison, inputs with fp16's special values, and
+how nvcc is found and run (the ``ptx`` fixture in conftest.py compiles with it)."""
 import re
 import shutil
 import subprocess
@@ -79,32 +78,6 @@ def _compile(nvcc, src, out, extra=()):
     proc = subprocess.run([nvcc, *NVCC_FLAGS, *extra, str(src), "-o", str(out)],
                           capture_output=True, text=True, timeout=110, check=False)
     return proc.returncode, proc.stdout + proc.stderr
-
-
-_PTX = {}  # (source, variant) -> PTX text, filled by the first module that asks for it
-
-
-@pytest.fixture(scope="session")
-def ptx(tmp_path_factory):
-    """PTX of every source, as it is and with -DRINGCOMM_NO_CUDA_FP16 (no cuda_fp16.h),
-    compiled once per session however many modules import this fixture."""
-    if NVCC is None:
-        pytest.skip("nvcc is not on PATH nor at /usr/local/cuda/bin/nvcc")
-    if _PTX:
-        return _PTX
-    tmp = tmp_path_factory.mktemp("ptx")
-    jobs = {(name, variant): (KERNEL_DIR / f"{name}.cu", () if variant == "file" else (kernels.NO_CUDA_FP16,))
-            for name in kernels.SOURCES for variant in VARIANTS}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {key: pool.submit(_compile, NVCC, src, tmp / f"{key[0]}.{key[1]}.ptx", extra)
-                   for key, (src, extra) in jobs.items()}
-        results = {key: f.result() for key, f in futures.items()}
-    failed = {key: log for key, (rc, log) in results.items() if rc != 0}
-    assert not failed, "nvcc failed:\n" + "\n".join(f"{k}: {log}" for k, log in failed.items())
-    for key, (rc, log) in results.items():
-        assert "warning" not in log.lower(), f"nvcc warns on {key}: {log}"
-    _PTX.update({key: (tmp / f"{key[0]}.{key[1]}.ptx").read_text() for key in jobs})
-    return _PTX
 
 
 def ptx_entries(text):

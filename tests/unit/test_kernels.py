@@ -20,7 +20,6 @@ from ringcomm import kernels
 
 from kernel_helpers import EXPECTED_ENTRIES, KERNEL_DIR, OPS, assert_same_bits, assert_same_values, needs_nvcc, \
     ptx_entries, ref, special_fp32
-from kernel_helpers import ptx as ptx  # the fixture, which the tests here take by name
 
 pytestmark = pytest.mark.timeout(120)
 

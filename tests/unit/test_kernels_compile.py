@@ -16,7 +16,6 @@ import pytest
 from ringcomm import kernels
 
 from kernel_helpers import EXPECTED_ENTRIES, KERNEL_DIR, NVCC, VARIANTS, needs_nvcc, ptx_entries
-from kernel_helpers import ptx as ptx  # the fixture, which the tests here take by name
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -248,7 +248,6 @@ def register(address, nbytes):
             raise CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
         _pinned[address] = address + nbytes
         pinned_bytes["registered"] = pinned_bytes.get("registered", 0) + nbytes
-        counts["host registrations"] += 1
 
 
 def unregister(address):
