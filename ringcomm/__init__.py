@@ -5,7 +5,8 @@
 >>> comm.all_reduce(x)                        # in place, ring by default for large x
 
 Public names: :func:`init`, :class:`Communicator`, :class:`ReduceOp`, and the errors
-:class:`CommError`, :class:`CommTimeout`, :class:`PeerLost`, :class:`CollectiveMismatch`.
+:class:`CommError`, :class:`CommTimeout`, :class:`PeerLost`, :class:`CollectiveMismatch`,
+:class:`Revoked`.
 Imports are lazy so that ``python -m ringcomm.launch`` starts fast.
 """
 import importlib
@@ -20,6 +21,7 @@ _LAZY = {
     "PeerLost": "ringcomm.errors",
     "CollectiveMismatch": "ringcomm.errors",
     "FrameError": "ringcomm.errors",
+    "Revoked": "ringcomm.errors",
 }
 
 __all__ = sorted(_LAZY)

@@ -13,13 +13,19 @@ from . import signature
 from .kernels import reference
 
 
+# numpy subclasses whose values are more than their bytes: a masked array's mask, a matrix's
+# 2-D rules. Any other subclass (np.memmap, a subclass that only adds attributes) is its bytes.
+MORE_THAN_BYTES = (np.ma.MaskedArray, np.matrix)
+
+
 def check_array(x, name, writable=True, device=None):
-    """The flat view of ``x``, a plain C-contiguous numpy array (or a CuPy array of
-    ``device``) of a supported dtype, writable when ``writable``."""
-    if isinstance(x, np.ndarray) and type(x) not in (np.ndarray, np.memmap):
-        # a masked array's mask, a matrix's 2-D rules: a subclass means more than its bytes
-        raise TypeError(f"{name} must be a plain numpy array, got {type(x).__module__}.{type(x).__name__} "
-                        f"(np.asarray(x) gives the plain array of its data)")
+    """The flat view of ``x``, a C-contiguous numpy array (or a CuPy array of ``device``) of a
+    supported dtype, writable when ``writable``. A numpy subclass (np.memmap...) is taken as
+    its bytes, and its flat view is a plain ndarray over them, unless it is one of
+    :data:`MORE_THAN_BYTES`."""
+    if isinstance(x, MORE_THAN_BYTES):
+        raise TypeError(f"{name} is a {_kind(x)}, whose values are more than its bytes; pass a plain "
+                        f"numpy array (np.asarray(x) gives the plain array of its data)")
     if not isinstance(x, np.ndarray) and not (device is not None and device.is_array(x)):
         on_gpu = " or a CuPy array on this device" if device is not None and device.kind == "gpu" else ""
         raise TypeError(f"{name} must be a numpy array{on_gpu}, got {type(x).__name__}")
@@ -30,7 +36,8 @@ def check_array(x, name, writable=True, device=None):
         raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
     if writable and not getattr(x.flags, "writeable", True):
         raise ValueError(f"{name} is read-only, but this collective writes into it")
-    return x.reshape(-1)
+    # a subclass's own indexing and __array_finalize__ stay out of the algorithms' slicing
+    return (x.view(np.ndarray) if isinstance(x, np.ndarray) else x).reshape(-1)
 
 
 def check_device_reduce(x, op, device):
@@ -60,14 +67,16 @@ def check_peer(peer, name, tag, rank, size, group="the group"):
 
 def check_pair(out, x, rank, got, want, got_name, want_name, allow_in_place=True):
     """``out`` and ``x`` of a reduce-scatter, all-gather, gather, scatter or all-to-all: same
-    dtype and type, sizes that fit (``got == want``), and no overlap except NCCL's in-place
-    form (see :func:`in_place`; none at all without ``allow_in_place``)."""
+    dtype, both on the host (numpy, subclasses included) or both on the device, sizes that
+    fit (``got == want``), and no overlap except NCCL's in-place form (see :func:`in_place`;
+    none at all without ``allow_in_place``)."""
     if out.dtype != x.dtype:
         raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}; they must match")
     if got != want:
         raise ValueError(f"{got_name} = {got} but {want_name} = {want}")
-    if type(out) is not type(x):
-        raise TypeError(f"out is a {type(out).__name__}, x a {type(x).__name__}; they must match")
+    if isinstance(out, np.ndarray) != isinstance(x, np.ndarray):
+        raise TypeError(f"out is a {_kind(out)}, x a {_kind(x)}; both must be numpy arrays or both "
+                        f"arrays of the device")
     if _overlap(out, x) and not (allow_in_place and in_place(out, x, rank)):
         raise ValueError("out and x overlap; they may only overlap in place, with the small "
                          "buffer being exactly this rank's slice of the large one")
@@ -95,6 +104,10 @@ def in_place(out, x, rank):
     all_gather with ``x`` = this rank's slice of ``out``."""
     big, small = (x, out) if x.size > out.size else (out, x)
     return _address(small) == _address(big) + rank * small.size * small.itemsize
+
+
+def _kind(a):
+    return f"{type(a).__module__}.{type(a).__name__}"
 
 
 def _address(a):

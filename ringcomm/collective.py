@@ -82,6 +82,8 @@ class Call:
         try:
             if space == 0:
                 transport.raise_news(comm.comm_id)
+                if transport.revoked:
+                    transport.check_revoked(comm.comm_id)
             else:
                 transport.pump(0)
             if self.device.staged:  # the host device has nothing to order or stage
@@ -94,6 +96,8 @@ class Call:
             transport.flush(link.deadline, self.what)
             if space == 0:  # another rank may have aborted a collective this one only sent in
                 transport.raise_news(comm.comm_id, seq)
+                if transport.revoked:  # revoked while it ran: its data may be another thread's
+                    transport.check_revoked(comm.comm_id)
             failed = False
         except SignatureMismatch as exc:
             error = describe_mismatch(self.what, comm.ranks[comm.rank], exc)
@@ -103,6 +107,7 @@ class Call:
             error = error_for(notice, seq)
             if not error.remote:
                 self._abort(transport, error)
+            _noted(transport, error)
             raise error from None
         except Exception as exc:
             self._abort(transport, exc)
@@ -139,19 +144,32 @@ class Call:
                 done = self._on_device(None, lambda: _drained(link, progress), bool) \
                     if staged else progress()
             except SignatureMismatch as exc:
-                raise describe_mismatch(self.what, link.ranks[link.rank], exc) from None
+                error = describe_mismatch(self.what, link.ranks[link.rank], exc)
+                _noted(link.transport, error)
+                raise error from None
+            except Exception as exc:
+                _noted(link.transport, exc)
+                raise
             if done:
                 self.comm._stats.collectives += 1
             return done
         return finishing
 
     def _abort(self, transport, exc):
+        _noted(transport, exc)
         if self.space != 0:
             return
         try:
             transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)
         except Exception:  # noqa: BLE001 - the original error is what matters
             pass
+
+
+def _noted(transport, exc):
+    """Keep the first error a call failed with on this rank (its goodbye names whom it
+    blamed, so that peers still waiting blame the rank that failed first)."""
+    if transport.first_failure is None:
+        transport.first_failure = exc
 
 
 def _drained(link, step):

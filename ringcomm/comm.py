@@ -52,7 +52,8 @@ class Communicator:
     group's members as global ranks; ``device`` "cpu" or "gpu"; ``local_rank`` and
     ``local_world_size`` (the world only) this process's place among the ranks of its host.
     ``guard_threads`` (default True) refuses a collective called from one thread while
-    another thread has one in progress (:mod:`ringcomm.threads`); set it False where the
+    another thread has one in progress and revokes the communicator on every rank
+    (:mod:`ringcomm.threads`); set it False where the
     caller itself orders collectives across threads identically on every rank (the contract
     torch.distributed gives its backends).
     """
@@ -77,7 +78,7 @@ class Communicator:
         self._schedules = {}  # (algorithm, collective) -> its function, found once
         self._stats = Stats()
         self._closed = False
-        self._threads = ThreadGuard(name)
+        self._threads = ThreadGuard(name, self._revoke)
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x, op="sum", algorithm="auto", async_op=False):
@@ -267,6 +268,13 @@ class Communicator:
     def stats(self):
         """Payload bytes and messages this rank sent and received on this communicator."""
         return self._stats.as_dict()
+
+    def _revoke(self, why):
+        """Make every collective on this communicator fail, here and on every other rank
+        (see ringcomm.threads); safe from any thread: the running call sees it as it waits."""
+        transport = self._engine.transport
+        transport.revoked.setdefault(self.comm_id, why)
+        transport.wake()
 
     def reset_stats(self):
         self._stats = Stats()

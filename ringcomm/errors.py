@@ -11,6 +11,8 @@ other ranks raises a :class:`CommError`:
 - :class:`PeerLost`: another rank died or closed its communicator; ``.rank`` names it.
 - :class:`CollectiveMismatch`: ranks called different collectives, or the same collective
   with different arguments; the message describes both sides.
+- :class:`Revoked`: the communicator was revoked (two threads issued collectives on it at
+  once): every call on it fails, on every rank, from then on.
 
 An error that another rank reported for the same collective (through an abort message) has
 ``remote = True``; this rank does not forward it again. A report about a collective this rank
@@ -49,6 +51,11 @@ class PeerLost(CommError):
 
 class CollectiveMismatch(CommError):
     """Ranks disagree on which collective runs, or on its dtype, size, op, root or algorithm."""
+
+
+class Revoked(CommError):
+    """The communicator was revoked on some rank: every pending and later call on it fails on
+    every rank, saying why (see :mod:`ringcomm.threads`)."""
 
 
 class FrameError(CommError):

@@ -33,15 +33,24 @@ class Counters:
 
 
 def new_group(comm, ranks, members_only):
-    members = [int(r) for r in ranks]
+    given = list(ranks)
+    members = [_member(r, given) for r in given]
     if not members or len(set(members)) != len(members) or \
             any(not 0 <= r < comm.world_size for r in members):
-        raise ValueError(f"new_group needs distinct ranks in [0, {comm.world_size}), got {list(ranks)}")
+        raise ValueError(f"new_group needs distinct ranks in [0, {comm.world_size}), got {given}")
     if members_only and comm.rank not in members:
         raise ValueError(f"new_group(members_only=True) is called by the members alone; rank "
                          f"{comm.rank} of {comm.name} is not in {members}")
     comm._check_open()
     return (_members_only if members_only else _with_everyone)(comm, members)
+
+
+def _member(r, given):
+    """Rank ``r`` of ``given`` as an int: an integer (Python's or numpy's), not a bool. int()
+    alone would take 1.5 or "1" for rank 1, a group of other members than the caller wrote."""
+    if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)):
+        raise TypeError(f"new_group needs integer ranks, got {r!r} ({type(r).__name__}) in {given}")
+    return int(r)
 
 
 def _with_everyone(comm, members):

@@ -48,7 +48,7 @@ AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches 
 class Link:
     __slots__ = ("transport", "ranks", "rank", "size", "comm_id", "space", "seq", "sig", "dtype",
                  "segment_bytes", "deadline", "what", "stats", "device", "topology", "_remote",
-                 "_staged")
+                 "_staged", "_room")
 
     def __init__(self, transport, *, ranks, rank, comm_id, space, seq, sig, dtype,
                  segment_bytes, deadline, what, stats, device=HOST, topology=None):
@@ -67,6 +67,9 @@ class Link:
         # which group ranks share which host (None: all of them share this one)
         self.topology = topology
         self._remote = None if topology is None else topology.remote
+        # global ranks this collective may send to (their window has room; see
+        # ringcomm.transport.credit); point-to-point data has a window of its own
+        self._room = set() if space == 0 else None
         if space == 0:
             transport.started(comm_id, seq)
 
@@ -77,10 +80,13 @@ class Link:
         handed to the transport once that copy is done, at the latest before this rank next
         waits for a message or the call's body ends."""
         key = new_key((self.comm_id, self.space, self.seq, step, segment))
+        dst = self.ranks[peer]
+        if self._room is not None and dst not in self._room:
+            self._await_room(dst)
         if self.device.staged:
-            self._stage(self.ranks[peer], key, array)
+            self._stage(dst, key, array)
         else:
-            self.transport.send(self.ranks[peer], key, self.sig, array.view(np.uint8), copy=copy)
+            self.transport.send(dst, key, self.sig, array.view(np.uint8), copy=copy)
         stats = self.stats
         stats.bytes_sent += array.nbytes
         stats.messages_sent += 1
@@ -207,9 +213,21 @@ class Link:
         others = [r for i, r in enumerate(self.ranks) if i != self.rank]
         self.drain()
         for peer in others:
+            if peer not in self._room:
+                self._await_room(peer)
             self.transport.send(peer, key, self.sig, b"")
         for peer in others:
             self._take(peer, key)
+
+    def _await_room(self, dst):
+        """Wait until global rank ``dst`` has room for this collective's data: a rank far
+        ahead of it is held back (see ringcomm.transport.credit); a timeout names whoever a
+        liveness check finds to blame."""
+        try:
+            self.transport.await_room(dst, self.comm_id, self.seq, self.deadline, self.what)
+        except CommTimeout as exc:
+            raise self._blame(exc, dst) from None
+        self._room.add(dst)
 
     def _take(self, src, key, wait=True):
         """The payload of ``key`` from global rank ``src`` (``None``: not here, ``wait=False``);

@@ -3,27 +3,38 @@
 Ranks pair collectives by their order on each communicator, and every rank's communication
 thread runs the collectives of all its communicators one after another in the order they were
 submitted. Two threads issuing collectives at once could be paired in different orders on
-different ranks and mix their data silently, so a collective called while another thread has
+different ranks and mix their data silently: rank 0 may number thread A's call #7 while rank
+1 numbers thread B's. A refusal on one rank alone cannot prevent that (each rank would decide
+alone which thread loses), so when a rank sees a collective called while another thread has
 one in progress on the same communicator (a blocking call not yet returned, or an
-``async_op`` work not yet complete) raises :class:`CommError` before anything is sent. The
-refusal is local: a peer whose call was not refused waits for it until its deadline.
+``async_op`` work not yet complete), it **revokes** the communicator: the caller gets
+:class:`~ringcomm.errors.Revoked`, the call in progress fails wherever it waits or before it
+returns, and every later collective on it fails on this rank and, through the abort each
+failure sends, on every other rank, which revokes it there too. No rank returns the result of
+a collective it was running when it learned of the revocation. A communicator that was
+revoked stays so; ``new_group`` makes a fresh one (one per thread, if threads must overlap).
 
-What this cannot see, and every program must keep: collectives on all communicators are
-issued in the same order on every rank. The pattern that works is one thread issuing them,
-with ``async_op=True`` for overlap. Point-to-point calls are numbered per peer and tag, and a
-receive does not hold the communication thread, so they are not guarded.
+What no rank can see is a mix-up where the threads never overlap on any one rank (thread A's
+call finished everywhere before thread B's began on that rank, in another order on each
+rank); every program must keep what makes that impossible: collectives on all
+communicators issued in the same order on every rank. The pattern that works is one thread
+issuing them, with ``async_op=True`` for overlap; handing a communicator from one thread to
+another after its calls returned is fine. Point-to-point calls are numbered per peer and tag,
+and a receive does not hold the communication thread, so they are neither guarded nor
+revoked.
 
->>> guard = ThreadGuard("world")
+>>> guard = ThreadGuard("world", revoke=lambda why: ...)
 >>> user = guard.enter("all_reduce"); ...; guard.leave(user)
 """
 import threading
 
-from .errors import CommError
+from .errors import CommError, Revoked
 
 
 class ThreadGuard:
-    def __init__(self, name):
+    def __init__(self, name, revoke):
         self.name = name
+        self.revoke = revoke  # revoke(why): revoke the communicator on every rank
         self.enabled = True  # off: every claim is granted (the caller orders calls itself)
         self._users = {}  # thread ident -> [calls inside, async works not yet complete]
         self._lock = threading.Lock()
@@ -40,9 +51,12 @@ class ThreadGuard:
                 user[0] += 1  # the one thread that uses it, with no async work pending
                 return user
             if self._busy_elsewhere(me):
-                raise CommError(f"{self.name}: {collective} called from one thread while another has a "
-                                f"collective in progress on this communicator; use it from one thread at a "
-                                f"time (new_group makes one per thread)")
+                why = (f"{self.name}: {collective} called from one thread while another has a "
+                       f"collective in progress on this communicator: ranks could pair one "
+                       f"thread's calls with another's, so it is revoked on every rank; issue "
+                       f"collectives from one thread at a time (new_group makes one per thread)")
+                self.revoke(why)
+                raise Revoked(why)
             self._users = {i: u for i, u in self._users.items() if u[0] or u[1] or i == me}
             user = self._users.setdefault(me, [0, []])
             user[0] += 1

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import env, rundir
+from ..errors import CommError
 from . import rounds
 from .config import (
     PROG, LaunchConfig, _stdout_lock, _stderr_lock,
@@ -118,6 +119,10 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         # where each worker writes what ended it (see ringcomm.world): private, removed by kill()
         self.reports = tempfile.mkdtemp(prefix="ringcomm-reports-")
+        try:  # chosen before any worker starts: a fallback one reaches them all (RINGCOMM_RUN_DIR)
+            rundir.path()
+        except CommError:
+            pass  # each worker says why
 
     def spawn_one(self, local_rank: int) -> None:
         cfg, pipe = self.cfg, (subprocess.PIPE if self.cfg.prefix else None)

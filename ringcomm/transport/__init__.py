@@ -6,7 +6,7 @@ import time
 import zmq
 
 from .. import env
-from . import rendezvous
+from . import liveness, rendezvous
 from .base import P2P_WINDOW_BYTES
 from .security import Guard
 from .tuning import raise_fd_limit, tune_malloc
@@ -75,6 +75,7 @@ def connect(info):
                                  [e["id"] for e in table], guard=guard,
                                  cleanup=rendezvous.socket_files(entry),
                                  lanes=_lane_plan(info, entry, table),
+                                 processes=liveness.watched(info.rank, table),
                                  bound={"ipc": entry["ipc"], "tcp": entry["tcp"], "id": entry["id"]})
         transport.host_ids = tuple(e["host"] for e in table)
         try:

@@ -17,8 +17,9 @@ import struct
 import time
 from abc import ABC, abstractmethod
 
-from ..errors import TIMEOUT_CAUSES, CommError, CommTimeout
+from ..errors import TIMEOUT_CAUSES, CommError, CommTimeout, Revoked
 from . import frame
+from .credit import CollectiveCredit
 from .frame import Kind
 from .mailbox import ABORT_SIG, NO_RANK, Mailbox, abort_code
 
@@ -31,7 +32,9 @@ CREDIT = struct.Struct("<Q8x")  # a CREDIT's signature field: the bytes taken
 
 class Transport(ABC):
     lane_peers = frozenset()  # ranks reached through shared memory (see .zmq_transport)
-    max_lead = None           # how far ahead collective data may come (see .mailbox)
+    # collectives a rank may run ahead of a peer (see .credit); None: no window (the unit
+    # tests' in-process transport, whose tests number collectives freely)
+    collective_window = None
 
     def __init__(self, rank, world_size):
         self.rank = rank
@@ -39,7 +42,15 @@ class Transport(ABC):
         # global rank -> the name of its host (see rendezvous.host_id); one host unless told
         self.host_ids = (0,) * world_size
         self.window = P2P_WINDOW_BYTES
-        self.mailbox = Mailbox(self.window, self.max_lead)
+        self.mailbox = Mailbox(self.window, self.collective_window)
+        self.credit = None if self.collective_window is None else CollectiveCredit(
+            rank, self.collective_window, self._post, lambda comm_id: self.mailbox.retired(comm_id) + 1)
+        # comm id -> why every call on that communicator fails: set by a rank that revokes
+        # it (from any thread: see ringcomm.threads) and by another rank's Revoked abort
+        self.revoked = self.mailbox.revoked
+        # the first error a call on this rank failed with, set by the layers above: a rank
+        # that closes after a failure says whom that error blamed (see .zmq_transport)
+        self.first_failure = None
         self._unacked = collections.defaultdict(int)  # (peer, comm, tag) -> bytes in flight
         self.running = {}   # comm id -> sequence number of the collective running here
         self._answers = {}  # peer -> its PONG state for the probe in progress
@@ -98,6 +109,11 @@ class Transport(ABC):
         if header.kind == Kind.PONG:
             if self._probing == (header.key.comm_id, header.key.seq):
                 self._answers[header.src] = header.key.step
+            return True
+        if header.kind == Kind.WANT or header.kind == Kind.GRANT:
+            if self.credit is not None:
+                on = self.credit.on_want if header.kind == Kind.WANT else self.credit.on_grant
+                on(header.src, header.key.comm_id, header.key.seq)
             return True
         return False
 
@@ -169,6 +185,38 @@ class Transport(ABC):
         in_flight = self._unacked[flow] + staged
         return in_flight == 0 or in_flight + nbytes <= self.window
 
+    def wake(self):
+        """Safe from any thread: cut short the sleep of a wait in progress (a revocation
+        then reaches it at once); a transport whose waits are short need do nothing."""
+
+    def check_revoked(self, comm_id):
+        """Raise :class:`Revoked` if communicator ``comm_id`` was revoked here or elsewhere
+        (its collectives fail; point-to-point calls, numbered per peer and tag, go on)."""
+        why = self.revoked.get(comm_id)
+        if why is not None:
+            raise Revoked(why)
+
+    # -- collective flow control (see .credit) -------------------------------------------
+    def await_room(self, dst, comm_id, seq, deadline, what):
+        """Wait until data of collective ``seq`` of ``comm_id`` may go to global rank ``dst``
+        (it has finished collective ``seq - window``); moves messages meanwhile. Raises
+        :class:`CommTimeout` naming ``dst`` at ``deadline``, :class:`PeerLost` if it is gone."""
+        credit = self.credit
+        if credit is None or credit.room(dst, comm_id, seq):
+            return
+        credit.stalls += 1
+        while not credit.room(dst, comm_id, seq):
+            self._check_peers(what, dst)
+            if self.revoked:
+                self.check_revoked(comm_id)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommTimeout(
+                    f"{what}: rank {dst} has not finished collective #{seq - credit.window} "
+                    f"(this rank may run {credit.window} collectives ahead of it); rank "
+                    f"{self.rank} gave up waiting", rank=dst)
+            self._pump(min(remaining, 0.05))
+
     def check(self, peer, deadline, what):
         """Raise if ``peer`` is gone or ``deadline`` passed (for a wait outside :meth:`recv`)."""
         self._check_peers(what, peer)
@@ -196,6 +244,8 @@ class Transport(ABC):
         payload = self._take(src, key, sig)
         if payload is None:
             self._check_peers(what, src)
+            if self.revoked and key.space == 0:
+                self.check_revoked(key.comm_id)
             if time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: timed out waiting for rank {src}; rank {self.rank} gave up")
         return payload
@@ -208,6 +258,8 @@ class Transport(ABC):
             if payload is not None:
                 return payload
             self._check_peers(what, src)
+            if self.revoked and key.space == 0:
+                self.check_revoked(key.comm_id)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommTimeout(
@@ -239,3 +291,5 @@ class Transport(ABC):
 
     def retire(self, comm_id, seq, failed=False):
         self.mailbox.retire(comm_id, seq, failed)
+        if self.credit is not None:
+            self.credit.on_retire(comm_id)

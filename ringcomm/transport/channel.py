@@ -22,6 +22,9 @@ Words used here:
   a sender that publishes a record and sees the flag writes one byte. A sender that dies
   closes its end, and the receiver's poll returns at once (hang-up) — unless a child it
   forked still holds that end; then the receiver learns of the death the slower way (``check``).
+  A transport's channels close their bells in every child forked from the rank
+  (:meth:`.PeerChannels.forget_bells`, see :mod:`.liveness`), which also watches the peer's
+  process itself.
 
 Waiting: spin up to ``spin`` seconds (see :func:`default_spin`: long when every rank has a
 core, none when ranks outnumber cores, where the waiter yields its core instead so that two

@@ -9,14 +9,16 @@ Header fields (little-endian):
 
 ====== ======= ===========================================================
 magic  4 bytes ``RCM1``; anything else is a foreign frame
-version u8     ``VERSION`` (5); another version is refused
+version u8     ``VERSION`` (6); another version is refused
 kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the payload
                is a notice naming a shared-memory slot that holds the data), LANE (the
                sender's shared-memory lane to the receiver is ready; see ``.shm``), PING
                (are you alive, and where are you in collective ``seq``?), PONG (the
                answer: ``step`` holds the state, see ``ringcomm.transport.base``), CREDIT
                (the receiver took a point-to-point message: ``sig`` holds its byte count
-               as a u64, see ``ringcomm.p2p``)
+               as a u64, see ``ringcomm.p2p``), WANT (the sender waits to send data of
+               collective ``seq``), GRANT (the answer: ``seq`` holds how many collectives
+               of the communicator the receiver has finished; see ``ringcomm.transport.credit``)
 space  u8      0 = collective, 1 = point-to-point
 src    u32     the sender's global rank
 comm   u32     communicator id (0 = world; groups get a hash)
@@ -39,7 +41,8 @@ from typing import NamedTuple
 from ..errors import FrameError
 
 MAGIC = b"RCM1"
-VERSION = 5  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT; 4: DOORBELL; 5: none
+VERSION = 6  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT; 4: DOORBELL; 5: none;
+# 6: WANT, GRANT
 HEADER = struct.Struct("<4sBBBxIIQIIQ16s")
 MAX_ABORT_BYTES = 4096  # an abort's payload is a UTF-8 reason, never larger than this
 SHM_NOTICE_BYTES = 16   # see ringcomm.transport.shm.NOTICE
@@ -54,6 +57,8 @@ class Kind(IntEnum):
     PING = 6
     PONG = 7
     CREDIT = 8
+    WANT = 9
+    GRANT = 10
 
 
 class Key(NamedTuple):

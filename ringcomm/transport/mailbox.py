@@ -11,13 +11,16 @@ in which words, whether to tell the other ranks) is decided by :mod:`ringcomm.co
 
 A collective that finished is *retired*: late messages for it (from a collective that failed
 half-way) are dropped, never delivered to a later collective; so are ABORTs of a collective
-that failed here too (this rank has reported a failure already).
+that failed here too (this rank has reported a failure already). Collective data more than
+``window`` collectives past the last one retired comes from a peer that ignored its credits
+(see :mod:`.credit`): it is refused, and the collective it was for fails naming that peer.
 """
 import logging
 import struct
 from collections import defaultdict
 
-from ..errors import TIMEOUT_CAUSES, CollectiveMismatch, CommError, CommTimeout, PeerLost, SignatureMismatch
+from ..errors import (TIMEOUT_CAUSES, CollectiveMismatch, CommError, CommTimeout, PeerLost, Revoked,
+                      SignatureMismatch)
 from .frame import Kind
 
 log = logging.getLogger(__name__)
@@ -25,11 +28,7 @@ log = logging.getLogger(__name__)
 # an abort's signature field: error class, the rank it blames, why (a timeout's cause)
 ABORT_SIG = struct.Struct("<BIB10x")
 NO_RANK = 0xFFFFFFFF
-# No rank finishes a collective before every rank has started it (broadcast and reduce
-# agree first), so an honest peer sends for at most the collective after the one running
-# here: data further ahead is refused (the real transport sets this; unit tests number freely)
-MAX_LEAD = 2
-ABORT_CLASSES = {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError}
+ABORT_CLASSES = {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked}
 ABORT_CODES = {cls: code for code, cls in ABORT_CLASSES.items()}
 
 
@@ -53,9 +52,10 @@ class AbortNotice(CommError):
 
 
 class Mailbox:
-    def __init__(self, window=None, max_lead=None):
+    def __init__(self, window=None, collective_window=None):
         self.window = window  # point-to-point bytes a sender may leave unreceived here
-        self.max_lead = max_lead  # how far past the last retired collective data may come
+        # how many collectives past the last retired one data may come for (None: any)
+        self.collective_window = collective_window
         self._p2p_pending = defaultdict(int)  # (src, comm, tag) -> point-to-point bytes not taken
         self._flooded = {}                    # (src, comm, tag) -> why its data was refused
         self._too_early = {}                  # (comm, seq) -> rank whose data for it was refused
@@ -65,6 +65,7 @@ class Mailbox:
         self._late = {}                       # comm -> AbortNotice of a collective ended here
         self._retired = {}                    # comm -> highest retired seq
         self._failed_upto = {}                # comm -> highest seq that failed here
+        self.revoked = {}                     # comm -> why every call on it fails (Revoked)
         self.dropped = 0
 
     def put(self, header, payload):
@@ -79,6 +80,8 @@ class Mailbox:
                                  None if lost == NO_RANK else lost,
                                  TIMEOUT_CAUSES[cause] if cause < len(TIMEOUT_CAUSES) else None,
                                  bytes(payload).decode("utf-8", "replace"))
+            if notice.kind is Revoked:  # revoked there: here too, whatever this rank has seen
+                self.revoked.setdefault(key.comm_id, notice.reason)
             if key.seq <= self._failed_upto.get(key.comm_id, -1):
                 return  # this rank failed that collective, or a later one: it has told its caller
             if key.seq <= self._retired.get(key.comm_id, -1):
@@ -90,12 +93,13 @@ class Mailbox:
         if retired is not None and key.seq <= retired:
             self.dropped += 1
             return
-        if retired is not None and self.max_lead is not None and key.seq > retired + self.max_lead:
-            # (after failures a rank may honestly run ahead: only that collective fails)
+        if retired is not None and self.collective_window is not None and \
+                key.seq > retired + self.collective_window:
             if (key.comm_id, key.seq) not in self._too_early:
-                log.error("rank %d sends data for collective #%d, more than one ahead of this "
-                          "rank: refusing it", header.src, key.seq)
-            self._too_early[(key.comm_id, key.seq)] = header.src
+                log.error("rank %d sends data for collective #%d while this rank has finished "
+                          "only up to #%d, past the window of %d collectives it was granted: "
+                          "refusing it", header.src, key.seq, retired, self.collective_window)
+            self._too_early[(key.comm_id, key.seq)] = (header.src, retired)
             self.dropped += 1
             return
         ident = (header.src, *key)
@@ -144,8 +148,11 @@ class Mailbox:
                 raise self._late.pop(key.comm_id)
             early = self._too_early.get((key.comm_id, key.seq)) if self._too_early else None
             if early is not None:
-                raise CommError(f"rank {early} sent data for this collective while this rank was "
-                                f"more than one collective behind; it was refused")
+                done = f"only up to #{early[1]}" if early[1] >= 0 else "none"
+                raise CommError(f"rank {early[0]} ignored its flow-control credits: it sent data "
+                                f"for collective #{key.seq} while this rank had finished {done} "
+                                f"(a window of {self.collective_window} collectives); its data "
+                                f"was refused")
             if self._notices:
                 self.raise_notice(key.comm_id, key.seq)
             signed = self._signatures.get((key.comm_id, key.seq))

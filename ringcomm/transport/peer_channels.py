@@ -96,6 +96,17 @@ class PeerChannels:
         for channel in self._in_list:
             channel.doze(False)
 
+    def forget_bells(self):
+        """In a child forked from this process: close its copies of every bell, so that a
+        rank that dies hangs its bells up whatever its child does (see :mod:`.liveness`)."""
+        for channel in (*self._out.values(), *self._in.values(), *self._dropped):
+            if channel.bell >= 0:
+                try:
+                    os.close(channel.bell)
+                except OSError:
+                    pass
+                channel.bell = -1
+
     def close(self):
         for path in self._paths:  # a peer that never opened its channel leaves the names
             try:

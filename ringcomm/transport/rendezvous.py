@@ -8,8 +8,9 @@ crosses the wire and nothing recorded from one rendezvous works in another:
 2. rank 0 answers ``CHALLENGE`` with a fresh nonce of its own and the job's name (see
    :func:`ringcomm.env.job_id`), signed (HMAC-SHA256 under the secret) over both nonces: the
    rank learns that rank 0 knows the secret and that this is its own job;
-3. the rank sends ``JOIN``: its rank, the world size it expects, its addresses, its
-   settings and job, signed over both nonces; rank 0 accepts each challenge's answer once;
+3. the rank sends ``JOIN``: its rank, the world size it expects, its addresses, its process
+   (pid, start time and pid namespace: what its same-host peers watch, see :mod:`.liveness`),
+   its settings and job, signed over both nonces; rank 0 accepts each challenge's answer once;
 4. when all ranks have joined, rank 0 sends each the address table, signed over its nonces.
 
 Messages that fail a check are ignored with a log line (a stranger, a replayed message). A
@@ -34,6 +35,7 @@ import zmq
 
 from .. import rundir
 from ..errors import CommError, CommTimeout
+from . import liveness
 
 log = logging.getLogger(__name__)
 MAX_HELLO_BYTES = 64 * 1024
@@ -126,7 +128,8 @@ def bind_pull(context, master_addr, max_message_bytes, guard, need_tcp, local_ra
         raise CommError(f"the ipc socket path {path} is longer than {MAX_IPC_PATH} bytes; set "
                         f"XDG_RUNTIME_DIR or TMPDIR to a shorter private directory")
     pull.bind(f"ipc://{path}")
-    entry = {"host": host_id(), "pid": os.getpid(), "ipc": f"ipc://{path}", "tcp": tcp,
+    # the process (pid, start time, pid namespace): what same-host peers watch (see .liveness)
+    entry = {"host": host_id(), **liveness.identity(), "ipc": f"ipc://{path}", "tcp": tcp,
              "id": guard.socket_id}
     return pull, entry
 

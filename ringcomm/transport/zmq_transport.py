@@ -4,7 +4,32 @@ Each rank binds one PULL socket (``ipc://`` for peers on its host, ``tcp://`` fo
 and connects one PUSH socket to every peer at start-up, so a peer that dies is noticed even
 when this rank was not talking to it: a monitor on each PUSH socket reports the
 disconnection, and unless that peer said BYE first, every wait raises :class:`PeerLost`
-naming it within ``grace`` seconds.
+naming it within ``grace`` seconds. A disconnect is not proof of death, nor its absence proof
+of life: a child forked from a rank holds copies of its connections, so a SIGKILLed rank with
+a child drops none. Peers on this host are therefore also watched as processes
+(:mod:`.liveness`): a pidfd per peer sits in the same poll as the sockets (or, where none can
+be opened, ``/proc`` is read every ``liveness.PROC_LOOK_S`` at most), and a peer whose
+process ended counts as disconnected from that moment, with the same grace. Peers on other
+hosts have their disconnects and, at a deadline, the liveness check (PING/PONG, see
+:mod:`.base`). A child forked from this rank cannot use the transport (every call raises
+:class:`CommError`) and closes its copies of the bells and pidfds at once.
+
+Goodbyes say why. A rank that closes after a call of its own failed puts in its BYE what that
+failure blamed (``first_failure``: the first error a call failed with here, which
+:mod:`ringcomm.collective` keeps), so that a peer waiting for it blames the rank that failed
+first, not the survivor that closed: "rank 1 closed after losing rank 2". The BYE's header
+carries it in ``sig``, laid out as an ABORT's (``mailbox.ABORT_SIG``, ``<BIB10x``):
+
+====== ==== ==============================================================================
+code   u8   0: a plain goodbye (the whole ``sig`` is zero, as before); else the error class
+            of the first failure, coded as an ABORT codes it (``mailbox.ABORT_CLASSES``:
+            1 CollectiveMismatch, 2 CommTimeout, 3 PeerLost, 4 any other error, ...)
+rank   u32  the rank that failure blamed; 0xFFFFFFFF (``NO_RANK``): none
+cause  u8   a timeout's cause, as ABORT codes it (index in ``errors.TIMEOUT_CAUSES``)
+====== ==== ==============================================================================
+
+and the key fields, ``nbytes`` and the payload stay zero and empty. A receiver waiting for (or
+sending to) a rank whose BYE blames another raises :class:`PeerLost` naming the blamed rank.
 
 Sends never block (no high-water mark). A message under ``ONE_FRAME_BYTES`` is one frame
 (header, then payload); a larger one two frames, so that the payload can go out zero-copy.
@@ -29,6 +54,7 @@ thread-safe); ``ringcomm.engine`` makes that the communication thread.
 """
 import collections
 import logging
+import math
 import os
 import select
 import time
@@ -36,13 +62,14 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import CommError, CommTimeout, FrameError, PeerLost
-from . import frame
+from ..errors import TIMEOUT_CAUSES, CommError, CommTimeout, FrameError, PeerLost
+from . import frame, liveness
 from .base import Transport
 from .channel import largest_message, supported as channel_supported
 from .peer_channels import PeerChannels
 from .frame import Kind
-from .mailbox import MAX_LEAD
+from .credit import window_from_env
+from .mailbox import ABORT_CLASSES, ABORT_SIG, NO_RANK, abort_code
 from .same_host import VIA_ZMQ, SameHost
 from .shm import InLanes
 
@@ -70,21 +97,47 @@ _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HAND
                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+PLAIN_BYE = bytes(16)  # the sig of a goodbye after no failure
+# what a child forked from a rank may not call (see ZmqTransport._forked_child)
+_PARENT_ONLY = ("_send", "_post", "_send_slot", "take_slot", "_pump", "_glance", "_drain",
+                "_drain_pull", "_drain_channels", "flush", "open_lanes", "await_connections")
+
+
+def goodbye_sig(failure):
+    """The ``sig`` of the BYE of a rank closing after ``failure`` (``None``: none)."""
+    if failure is None:
+        return PLAIN_BYE
+    blamed, cause = getattr(failure, "rank", None), getattr(failure, "cause", None)
+    return ABORT_SIG.pack(abort_code(failure),
+                          blamed if type(blamed) is int and 0 <= blamed < NO_RANK else NO_RANK,
+                          TIMEOUT_CAUSES.index(cause) if cause in TIMEOUT_CAUSES else 0)
+
+
+def goodbye_reason(sig, world_size):
+    """What a BYE's ``sig`` says: ``None`` for a plain goodbye, else ``(error class, the rank
+    it blames or None, a timeout's cause or None)``."""
+    code, blamed, cause = ABORT_SIG.unpack(sig)
+    if code == 0:
+        return None
+    return (ABORT_CLASSES.get(code, CommError), blamed if blamed < world_size else None,
+            TIMEOUT_CAUSES[cause] if cause < len(TIMEOUT_CAUSES) else None)
 
 
 class ZmqTransport(SameHost, Transport):
-    max_lead = MAX_LEAD  # collective data further ahead is refused (see .mailbox)
-
     """Messages between ranks over ZeroMQ.
 
     ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r,
     ``socket_ids[r]`` the id its inbound socket published (what a connection proof names).
     ``lanes``: a :class:`~.same_host.LanePlan` for the shared-memory lanes to peers on this host (opened
-    by :meth:`open_lanes`), or ``None`` to send everything through ZeroMQ.
+    by :meth:`open_lanes`), or ``None`` to send everything through ZeroMQ. ``processes``:
+    ``{peer: (pid, start time)}`` of the same-host peers whose processes to watch
+    (:func:`.liveness.watched`).
     """
 
     def __init__(self, rank, world_size, context, pull, endpoints, socket_ids=None, grace=1.0,
-                 close_wait=CLOSE_WAIT, cleanup=(), guard=None, lanes=None, bound=None):
+                 close_wait=CLOSE_WAIT, cleanup=(), guard=None, lanes=None, bound=None,
+                 processes=None):
+        self.collective_window = window_from_env()  # (see .credit)
         super().__init__(rank, world_size)
         self.bound = dict(bound or {})  # where this rank listens: {"ipc", "tcp", "id"}
         self._plan = lanes
@@ -101,7 +154,7 @@ class ZmqTransport(SameHost, Transport):
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
         self._guard = guard
         self.grace, self.close_wait = grace, close_wait
-        self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket and channel bell
+        self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket, channel bell and pidfd
         self._bells = {}  # bell file descriptor -> the peer whose channel it belongs to
         self._channel_to = {}  # peer -> the channel this rank sends to it through
         # per space (collective, point-to-point): payloads below the first number go through
@@ -134,11 +187,24 @@ class ZmqTransport(SameHost, Transport):
             self._poll_all.append((monitor, zmq.POLLIN))
         self._in_flight = collections.deque()  # MessageTrackers of zero-copy sends
         self._said_bye = set()
-        self._gone_since = {}  # peer -> time its connection dropped
+        self._gone_since = {}  # peer -> time its connection dropped (or its process ended)
         self._monitors_seen = 0.0  # when the monitor sockets were last polled
         self._ready = set()  # peers whose connection completed the security handshake
         self._refused = {}   # peer -> handshake failure event
         self.rejected = 0
+        self._bye_why = {}   # peer -> what its goodbye said went wrong (see goodbye_reason)
+        # same-host peers watched as processes: a pidfd each in the poll, else /proc
+        self._watch = liveness.Watch(processes or {})
+        self._exited = set()  # peers whose process was seen to end
+        self._next_look = 0.0  # when /proc may be read again (Watch.look)
+        self._poll_all += [(fd, zmq.POLLIN) for fd in self._watch.fds]
+        # another thread's way to cut a wait short (see wake): a pipe in the poll
+        self._wake_in, self._wake_out = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll_all.append((self._wake_in, zmq.POLLIN))
+        for peer in self._watch.gone:
+            self._on_exited(peer)
+        self._owner = os.getpid()
+        liveness.guard_fork(self)
 
     def await_connections(self, deadline):
         """Block until every peer connection completed its handshake (secret proven)."""
@@ -148,6 +214,10 @@ class ZmqTransport(SameHost, Transport):
                 raise CommError(f"rank {self.rank}: rank {peer} refused the connection "
                                 f"(handshake failed: the ranks do not share the job secret "
                                 f"RINGCOMM_SECRET, or disagree on RINGCOMM_ENCRYPT)")
+            ended = sorted(self._exited - self._ready)
+            if ended:
+                raise PeerLost(f"rank {self.rank}: rank {ended[0]} (pid {self._watch.pids[ended[0]]}) "
+                               f"ended before its connection was made", rank=ended[0])
             if time.monotonic() > deadline:
                 missing = sorted(set(self._push) - self._ready)
                 raise CommTimeout(f"rank {self.rank}: no secure connection to ranks {missing}")
@@ -172,7 +242,8 @@ class ZmqTransport(SameHost, Transport):
 
     def _check_open_to(self, dst):
         if dst in self._said_bye:
-            raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it closed its communicator", rank=dst)
+            words, blamed = self._how_closed(dst)
+            raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it {words}", rank=blamed)
 
     def _post(self, dst, header, payload, copy=False):
         self._check_open_to(dst)
@@ -232,9 +303,14 @@ class ZmqTransport(SameHost, Transport):
             for sock, _ in zmq.zmq_poll(self._poll_all, int(timeout * 1000)):
                 if sock is self._pull:
                     self._drain_pull()  # the channels are drained below
-                elif type(sock) is int:  # a bell (one dropped by an earlier handler: skipped)
+                elif type(sock) is int:  # a bell or a pidfd (one dropped earlier: skipped)
                     if sock in self._bells:
                         self._on_bell(sock)
+                    elif sock == self._wake_in:
+                        self._woken()
+                    elif sock in self._watch.fds:  # that peer's process ended
+                        self._poll_all = [item for item in self._poll_all if item[0] != sock]
+                        self._on_exited(self._watch.exited(sock))
                 else:
                     self._on_monitor(sock)
         finally:
@@ -243,6 +319,21 @@ class ZmqTransport(SameHost, Transport):
         if channels is not None:
             self._drain_channels()
 
+    def wake(self):
+        """Safe from any thread: end the current wait's sleep now (a revocation must reach
+        the call waiting in it at once, not at its next look)."""
+        try:
+            os.write(self._wake_out, b"w")
+        except OSError:  # full (a wake-up is pending anyway) or closed
+            pass
+
+    def _woken(self):
+        try:
+            while os.read(self._wake_in, 64):
+                pass
+        except OSError:
+            pass
+
     def _file(self, header, payload):
         if header.kind < Kind.BYE or header.kind == Kind.SHM:  # data: the common case first
             self.mailbox.put(header, payload)
@@ -250,6 +341,8 @@ class ZmqTransport(SameHost, Transport):
             if self._channels is not None:  # what it sent before its goodbye comes first
                 self._drain_channels(header.src)
             self._said_bye.add(header.src)
+            if header.sig != PLAIN_BYE:
+                self._bye_why[header.src] = goodbye_reason(header.sig, self.world_size)
         elif not self._control(header):  # an ABORT
             self.mailbox.put(header, payload)
 
@@ -317,16 +410,24 @@ class ZmqTransport(SameHost, Transport):
         if event == zmq.EVENT_DISCONNECTED:
             self._gone_since.setdefault(peer, time.monotonic())
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._gone_since.pop(peer, None)
+            if peer not in self._exited:
+                self._gone_since.pop(peer, None)
             self._ready.add(peer)
         elif event in _HANDSHAKE_FAILED:
             self._refused[peer] = event
 
     def _check_peers(self, what, src=None):
         if src in self._said_bye:
-            raise PeerLost(f"{what}: rank {src} closed its communicator before sending what "
-                           f"rank {self.rank} waits for", rank=src)
+            words, blamed = self._how_closed(src)
+            raise PeerLost(f"{what}: rank {src} {words}{',' if blamed != src else ''} before "
+                           f"sending what rank {self.rank} waits for", rank=blamed)
         now = time.monotonic()
+        if now >= self._next_look:  # /proc, for the peers no pidfd watches (none: never again)
+            self._next_look = now + liveness.PROC_LOOK_S if self._watch.polled else math.inf
+            for peer in self._watch.look():
+                self._on_exited(peer)
+        if not self._gone_since:
+            return
         overdue = [p for p, t in self._gone_since.items()
                    if p not in self._said_bye and now - t > self.grace]
         if overdue:
@@ -334,19 +435,49 @@ class ZmqTransport(SameHost, Transport):
             overdue = [p for p in overdue if p not in self._said_bye]
         if overdue:
             peer = overdue[0]
+            if peer in self._exited:
+                raise PeerLost(f"{what}: rank {self.rank} lost rank {peer} (its process, pid "
+                               f"{self._watch.pids[peer]}, ended without a goodbye: it died or "
+                               f"was killed)", rank=peer)
             raise PeerLost(f"{what}: rank {self.rank} lost rank {peer} (its connection dropped "
                            f"without a goodbye: the process died or was killed, or the network "
                            f"failed)", rank=peer)
 
+    def _on_exited(self, peer):
+        """``peer``'s process ended: from now on it counts as disconnected (see .liveness)."""
+        self._exited.add(peer)
+        self._gone_since.setdefault(peer, time.monotonic())
+
+    def _how_closed(self, peer):
+        """How ``peer``, which said BYE, closed, in words, and the rank to blame for it: the
+        rank its goodbye blames, else ``peer`` itself."""
+        why = self._bye_why.get(peer)
+        if why is None:
+            return "closed its communicator", peer
+        kind, blamed, cause = why
+        if blamed is None or blamed == peer:
+            return f"closed its communicator after a failure ({kind.__name__})", peer
+        whom = f"rank {blamed}" + (" (this rank)" if blamed == self.rank else "")
+        if kind is PeerLost:
+            words = f"losing {whom}"
+        elif kind is CommTimeout:
+            words = f"timing out on {whom}" + {"silent": " (it stopped answering)",
+                                               "not started": " (it never started the collective)"}.get(cause, "")
+        else:
+            words = f"a {kind.__name__} with {whom}"
+        return f"closed after {words}", blamed
+
     # -- closing ---------------------------------------------------------------------------
     def close(self):
-        """Say BYE to every peer, wait (bounded) until each said BYE or is gone, then close."""
+        """Say BYE to every peer (with what this rank's first failure blamed, if one did; see
+        the module docstring), wait (bounded) until each said BYE or is gone, then close."""
         deadline = time.monotonic() + self.close_wait
         try:
             self.flush(deadline, "close")
         except Exception as exc:  # closing must not fail; the data is lost either way
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
-        bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, 0, 0, 0, 0), 0, bytes(16))
+        bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, 0, 0, 0, 0), 0,
+                         goodbye_sig(getattr(self, "first_failure", None)))
         for sock in self._push.values():
             try:
                 sock.send_multipart([bye, b""], zmq.NOBLOCK)
@@ -362,6 +493,11 @@ class ZmqTransport(SameHost, Transport):
         for monitor in self._monitor_peer:
             monitor.close(linger=0)
         self._pull.close(linger=0)
+        wake_fds, (self._wake_in, self._wake_out) = (self._wake_in, self._wake_out), (-1, -1)
+        for fd in wake_fds:  # (a late wake() then writes nowhere, not into a reused number)
+            os.close(fd)
+        self._watch.close()
+        liveness.unguard_fork(self)
         if self._guard is not None:
             self._guard.stop()
         self._ctx.term()
@@ -381,3 +517,21 @@ class ZmqTransport(SameHost, Transport):
                 os.unlink(path)
             except OSError:
                 pass
+
+    def _forked_child(self):
+        """In a child forked from this rank (see :mod:`.liveness`): close the child's copies
+        of the bells and pidfds, and refuse every use. The ZeroMQ sockets stay as they are
+        (closing them in a forked child is unsafe) and are never touched again here; nor is
+        anything of the parent's removed at the child's exit."""
+        self._watch.close()
+        if self._channels is not None:
+            self._channels.forget_bells()
+        owner, rank = self._owner, self.rank
+
+        def refuse(*args, **kwargs):
+            raise CommError(f"rank {rank}'s communicator belongs to process {owner}; process "
+                            f"{os.getpid()} was forked from it and cannot use it (it may make "
+                            f"a communicator of its own)")
+        for name in _PARENT_ONLY:
+            setattr(self, name, refuse)
+        self.close = lambda: None

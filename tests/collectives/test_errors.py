@@ -42,6 +42,9 @@ def misuse(comm):
         "bad tag": lambda: comm.send(x, (comm.rank + 1) % n, tag=-1),
         "overlap": lambda: comm.all_gather(shared, shared[1:9]),  # not the in-place slice
         "bad group": lambda: comm.new_group([0, 0]),
+        "float rank": lambda: comm.new_group([0, 1.5]),
+        "string rank": lambda: comm.new_group([0, "1"]),
+        "bool rank": lambda: comm.new_group([0, True]),
     }
     before = comm.stats()
     raised = refusals(calls)
@@ -57,9 +60,35 @@ def test_local_misuse_raises_before_sending(pools, n):
         assert all(raised.values()), f"no error for: {[k for k, v in raised.items() if v is None]}"
         assert raised["unsupported dtype"] == "TypeError" and raised["avg on int"] == "TypeError"
         assert raised["masked array"] == raised["matrix"] == "TypeError"
+        assert raised["float rank"] == raised["string rank"] == raised["bool rank"] == "TypeError"
         assert raised["out too small"] == "ValueError" and raised["root too big"] == "ValueError"
         assert unchanged, "a rejected call sent or counted something"
         assert y == sum(range(n)), "the communicator is unusable after misuse"
+
+
+def group_ranks(comm):
+    """new_group's refusals of ranks that are not integers (int() would have made each of
+    them rank 1), and a group of numpy integer ranks, used."""
+    refused = []
+    for ranks in ([0, 1.5], [0, "1"], [0, True], [0, np.float64(1)]):
+        with pytest.raises(TypeError) as exc:
+            comm.new_group(ranks)
+        refused.append(str(exc.value))
+    pair = comm.new_group(np.array([1, 0], np.int32))
+    both = comm.new_group([np.int64(0), 1], members_only=True)
+    x = np.full(2, comm.rank + 1.0)
+    pair.all_reduce(x)
+    both.all_reduce(x)
+    return refused, pair.rank, float(x[0])
+
+
+def test_group_ranks_must_be_integers(pools):
+    for rank, (refused, group_rank, total) in enumerate(pools(2).run(group_ranks)):
+        named = ["got 1.5 (float) in [0, 1.5]", "got '1' (str) in [0, '1']", "got True (bool) in [0, True]",
+                 "(float64) in [0, "]  # a numpy scalar's repr differs between numpy 1 and 2
+        for message, entry in zip(refused, named):
+            assert message.startswith("new_group needs integer ranks, got ") and entry in message, message
+        assert group_rank == 1 - rank and total == 6.0
 
 
 def disagree(comm, how):
@@ -241,42 +270,46 @@ def test_use_after_close():
 
 
 def two_threads(comm):
-    """Rank 0: a thread blocks in an all-reduce (rank 1 joins it late) while the main thread
-    tries another collective on the same communicator, which must be refused before sending;
-    a receive in another thread meanwhile is not a collective and is not refused."""
+    """Rank 0: a thread blocks in an all-reduce on a group (rank 1 joins it late) while the
+    main thread calls another collective on it: the call is refused before sending and the
+    group is revoked, so the all-reduce in progress fails too, on both ranks, and so does
+    every later collective on it; a point-to-point transfer on it meanwhile goes on. The
+    same for an async work pending. The world, untouched, works as before."""
     import threading
     import time
     first = np.full(4, comm.rank + 1.0, np.float32)
     buf = np.zeros(4, np.float32)
+    group, other_group = comm.new_group([0, 1]), comm.new_group([0, 1])
     if comm.rank == 1:  # late each time, so rank 0's calls are still in progress when tested
         time.sleep(1.0)
-        comm.all_reduce(first)
-        comm.send(np.arange(4, dtype=np.float32), 0)
+        failed = [_try(lambda: group.all_reduce(first))]
+        group.send(np.arange(4, dtype=np.float32), 0)
         time.sleep(1.0)
+        failed.append(_try(lambda: other_group.all_reduce(np.ones(2, np.float32))))
         refused, unchanged = None, True
     else:
-        worker = threading.Thread(target=comm.all_reduce, args=(first,))
+        failed = []
+        worker = threading.Thread(target=lambda: failed.append(_try(lambda: group.all_reduce(first))))
         worker.start()
         time.sleep(0.1)
-        before = comm.stats()
-        refused = _try(lambda: comm.broadcast(np.ones(4, np.float32)))
-        unchanged = comm.stats() == before
-        receiver = threading.Thread(target=comm.recv, args=(buf, 1))
-        receiver.start()  # point-to-point: allowed beside the collective
+        before = group.stats()
+        refused = _try(lambda: group.broadcast(np.ones(4, np.float32)))
+        unchanged = group.stats() == before
+        receiver = threading.Thread(target=group.recv, args=(buf, 1))
+        receiver.start()  # point-to-point: allowed beside the collective, and not revoked
         worker.join(10)
         receiver.join(10)
-        pending = comm.all_reduce(np.ones(2, np.float32), async_op=True)  # claims it until done
+        pending = other_group.all_reduce(np.ones(2, np.float32), async_op=True)  # claims it until done
         other = []
-        thread = threading.Thread(target=lambda: other.append(_try(comm.barrier)))
+        thread = threading.Thread(target=lambda: other.append(_try(other_group.barrier)))
         thread.start()
         thread.join(10)
-        pending.wait()
+        failed.append(_try(pending.wait))
         refused = (refused, other[0])
-    if comm.rank == 1:
-        comm.all_reduce(np.ones(2, np.float32))
+    still = _try(lambda: group.all_reduce(np.ones(3, np.float32)))  # revoked stays revoked
     y = np.full(3, comm.rank + 1.0, np.float32)
     comm.all_reduce(y)  # one thread after another is fine
-    return refused, unchanged, buf.tolist(), float(first[0]), float(y[0])
+    return refused, unchanged, buf.tolist(), failed + [still], float(y[0])
 
 
 def _try(call):
@@ -284,15 +317,19 @@ def _try(call):
         call()
         return None
     except ringcomm.CommError as exc:
-        return str(exc)
+        return f"{type(exc).__name__}: {exc}"
 
 
-def test_concurrent_use_from_two_threads_is_refused_before_sending(pools):
-    (refused, unchanged, got, first, y), (_, _, _, first1, y1) = pools(2).run(two_threads)
+def test_concurrent_use_from_two_threads_revokes_the_communicator(pools):
+    (refused, unchanged, got, failed0, y), (_, _, _, failed1, y1) = pools(2).run(two_threads)
     blocking, async_pending = refused
-    assert blocking and "broadcast called from one thread while another has a collective in progress" in blocking
+    assert blocking.startswith("Revoked: ") and \
+        "broadcast called from one thread while another has a collective in progress" in blocking
     assert async_pending and "barrier called from one thread" in async_pending
-    assert unchanged and got == [0.0, 1.0, 2.0, 3.0] and first == first1 == 3.0 and y == y1 == 3.0
+    assert unchanged and got == [0.0, 1.0, 2.0, 3.0] and y == y1 == 3.0
+    for rank, failed in enumerate((failed0, failed1)):  # in progress, pending, later: all fail
+        assert len(failed) == 3 and all(f and f.startswith("Revoked: ") and "revoked on every rank" in f
+                                        for f in failed), (rank, failed)
 
 
 def root_disagree(comm, collective, algorithm):

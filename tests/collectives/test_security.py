@@ -273,12 +273,14 @@ def test_ipc_sockets_live_in_a_private_directory(pools):
     os.unlink(foreign)
 
 
-def test_a_private_directory_others_can_open_is_refused(tmp_path, monkeypatch):
-    runtime = tmp_path / "run"
-    (runtime / "ringcomm").mkdir(parents=True, mode=0o755)
-    os.chmod(runtime / "ringcomm", 0o755)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    with pytest.raises(Exception, match="not a private directory"):
+def test_a_run_directory_chosen_for_the_job_that_others_can_open_is_refused(tmp_path, monkeypatch):
+    """RINGCOMM_RUN_DIR was chosen by whoever set it: refused, not replaced (the directory
+    ringcomm picks itself is replaced instead: tests/collectives/test_rundir.py)."""
+    chosen = tmp_path / "run"
+    chosen.mkdir(mode=0o755)
+    os.chmod(chosen, 0o755)
+    monkeypatch.setenv("RINGCOMM_RUN_DIR", str(chosen))
+    with pytest.raises(Exception, match="is not a private directory of this user"):
         rundir.path()
 
 

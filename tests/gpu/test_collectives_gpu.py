@@ -110,6 +110,39 @@ def test_collectives_on_cupy_arrays(n, backend):
         assert "BAD 0 True" in out, out
 
 
+# Host arrays on a GPU rank: a memmap and a numpy subclass go together as any two numpy
+# arrays do (unstaged); either beside a device array is refused before anything is sent.
+HOST_KINDS = textwrap.dedent("""
+    import os, tempfile, cupy as cp, numpy as np, ringcomm
+    comm = ringcomm.init(device="gpu")
+    n, r = comm.world_size, comm.rank
+
+    class Tagged(np.ndarray):
+        pass
+
+    with tempfile.TemporaryDirectory() as folder:
+        mm = np.memmap(os.path.join(folder, "x"), np.float32, "w+", shape=(3,))
+        mm[:] = r
+        host = np.empty(3 * n, np.float32)
+        comm.all_gather(host.view(Tagged), mm)
+        ok = np.array_equal(host, np.repeat(np.arange(n, dtype=np.float32), 3))
+        refused = []
+        for out, x in ((cp.empty(3 * n, cp.float32), mm), (host.view(Tagged), cp.zeros(3, cp.float32))):
+            try:
+                comm.all_gather(out, x)
+            except TypeError as exc:
+                refused.append("both must be numpy arrays or both arrays of the device" in str(exc))
+        del mm
+    print("HOST", ok, refused)
+""")
+
+
+def test_host_subclasses_beside_host_and_device_arrays(backend):
+    name, env = backend
+    for out in rank_outputs(HOST_KINDS, 2, env, timeout=120):
+        assert "HOST True [True, True]" in out, out
+
+
 # The caller works on a stream of its own (non-blocking: no implicit order with any other
 # stream), or with per-thread default streams; the input is produced on that stream just
 # before the call, and the result read on it just after. Only the stream contract orders

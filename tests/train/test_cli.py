@@ -246,9 +246,52 @@ def test_data_file_with_wrong_feature_count_or_classes(tmp_path):
     np.savez(path, x=x, y=y)
     with pytest.raises(ValueError, match="the data has 7 features but --layers starts with 8"):
         load_data(TrainConfig(data=str(path), layers=(8, 16, 3)))
-    with pytest.raises(ValueError, match="the data has 3 classes but --layers ends with 2"):
+    row = int(np.flatnonzero(y == 2)[0])
+    with pytest.raises(ValueError, match=rf"y row {row} is 2; labels must be whole numbers in \[0, 2\) "
+                                         rf"\(--layers ends with 2\)"):
         load_data(TrainConfig(data=str(path), layers=(7, 16, 2)))
     assert load_data(TrainConfig(data=str(path), layers=(7, 16, 3))).x.shape == (64, 7)
+
+
+@pytest.mark.parametrize("array,row,value,message", [
+    ("x", 3, np.nan, r"x row 3 is not finite \(column 1 is nan\)"),
+    ("x", 5, np.inf, r"x row 5 is not finite \(column 1 is inf\)"),
+    ("x_test", 2, -np.inf, r"x_test row 2 is not finite \(column 1 is -inf\)"),
+    ("y", 4, -1, r"y row 4 is -1; labels must be whole numbers in \[0, 3\)"),
+    ("y", 6, 2.7, r"y row 6 is 2.7; labels must be whole numbers in \[0, 3\)"),
+    ("y", 1, np.nan, r"y row 1 is nan; labels must be whole numbers in \[0, 3\)"),
+    ("y_test", 7, 3, r"y_test row 7 is 3; labels must be whole numbers in \[0, 3\)"),
+])
+def test_data_file_with_a_bad_row(tmp_path, array, row, value, message):
+    """A NaN or inf input, a label outside the classes or not whole, is refused by its row
+    (each used to train silently: NaN losses, -1 as the last class, 2.7 as class 2)."""
+    x, y = separable(16, 4, 3, seed=2)
+    labels = np.int64 if float(value).is_integer() else np.float64  # -1 as an int, 2.7 a float
+    arrays = dict(x=x, y=y.astype(labels), x_test=x.copy(), y_test=y.astype(labels))
+    arrays[array][(row, 1) if array.startswith("x") else row] = value  # inputs: in column 1
+    path = tmp_path / "d.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=message):
+        load_data(TrainConfig(data=str(path), layers=(4, 8, 3)))
+
+
+def test_data_file_with_whole_float_labels_is_read(tmp_path):
+    x, y = separable(16, 4, 3, seed=2)
+    np.savez(tmp_path / "d.npz", x=x.astype(np.float64), y=y.astype(np.float32))
+    data = load_npz(tmp_path / "d.npz", classes=3)
+    assert data.y.dtype == np.int64 and np.array_equal(data.y, y) and data.x.dtype == np.float32
+
+
+def test_the_trainer_refuses_a_bad_data_file_by_its_row(tmp_path):
+    x, y = separable(64, 8, 3, seed=1)
+    x[9, 0] = np.nan
+    path = tmp_path / "d.npz"
+    np.savez(path, x=x, y=y)
+    result = launch(1, "--strategy", "single", "--data", path, "--layers", "8,16,3", "--batch-size", 64,
+                    "--steps", 2)
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert "x row 9 is not finite (column 0 is nan)" in out, out
 
 
 def test_data_file_without_arrays(tmp_path):

@@ -25,7 +25,7 @@ def test_header_layout():
     raw = frame.pack(Kind.DATA, 3, Key(0x11, 1, 0x22, 0x33, 0x44), 0x55, bytes(range(16)))
     assert len(raw) == 56
     assert raw[OFF_MAGIC:OFF_MAGIC + 4] == b"RCM1"
-    assert raw[OFF_VERSION] == VERSION == 5
+    assert raw[OFF_VERSION] == VERSION == 6
     assert raw[OFF_KIND] == Kind.DATA
     assert raw[OFF_SPACE] == 1
     assert raw[OFF_PAD] == 0
@@ -100,13 +100,13 @@ def test_rejects_bad_magic(magic):
         frame.unpack(patched(good_raw(), OFF_MAGIC, magic), 12, 4, 0)
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, 255])
 def test_rejects_wrong_version(version):
     with pytest.raises(FrameError, match="version"):
         frame.unpack(patched(good_raw(), OFF_VERSION, bytes([version])), 12, 4, 0)
 
 
-@pytest.mark.parametrize("kind", [0, 9, 10, 255])
+@pytest.mark.parametrize("kind", [0, 11, 12, 255])
 def test_rejects_unknown_kind(kind):
     with pytest.raises(FrameError, match="kind"):
         frame.unpack(patched(good_raw(), OFF_KIND, bytes([kind])), 12, 4, 0)

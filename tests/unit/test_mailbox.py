@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from ringcomm.errors import (CollectiveMismatch, CommError, CommTimeout, FrameError, PeerLost,
+from ringcomm.errors import (CollectiveMismatch, CommError, CommTimeout, FrameError, PeerLost, Revoked,
                              SignatureMismatch)
 from ringcomm.transport.frame import Header, Key, Kind
 from ringcomm.transport.local import LocalHub
@@ -178,7 +178,18 @@ def test_abort_carries_a_timeouts_cause(cause, name):
 
 
 def test_abort_mapping_is_the_documented_one():
-    assert ABORT_CLASSES == {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError}
+    assert ABORT_CLASSES == {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked}
+
+
+def test_a_revoked_abort_revokes_the_communicator_here_whatever_its_collective():
+    box = Mailbox()
+    box.retire(0, 3, failed=True)                   # this rank failed #3 (and told its caller)
+    put(box, abort(1, comm_id=0, seq=3, code=5))    # the news of #3 itself is dropped ...
+    assert box.revoked == {0: "it broke"}           # ... but the revocation holds from now on
+    put(box, abort(2, comm_id=7, seq=9, code=5, reason=b"other"))
+    assert box.revoked == {0: "it broke", 7: "other"}
+    put(box, abort(1, comm_id=7, seq=10, code=5, reason=b"later"))
+    assert box.revoked[7] == "other"                # the first reason stays
 
 
 def test_abort_precedes_pending_message_and_does_not_touch_others():
@@ -418,13 +429,13 @@ def test_transport_poll_never_waits():
 
 
 def test_collective_data_too_far_ahead_is_refused_and_named():
-    box = Mailbox(max_lead=2)
+    box = Mailbox(collective_window=2)
     put(box, data(1, Key(0, 0, 0, 0, 0), b"ok"))      # the collective running here
     put(box, data(1, Key(0, 0, 1, 0, 0), b"ok"))      # one ahead of the running #0: the limit
     put(box, data(1, Key(0, 0, 2, 0, 0), b"no"))      # #2 while nothing retired: refused
     assert box.dropped == 1
     assert box.take(1, Key(0, 0, 0, 0, 0), SIG_A) == b"ok"  # the peer is not cut off
-    with pytest.raises(CommError, match="rank 1 sent data for this collective while"):
+    with pytest.raises(CommError, match="rank 1 ignored its flow-control credits: it sent data for collective #2"):
         box.take(1, Key(0, 0, 2, 0, 0), SIG_A)
     box.retire(0, 2, failed=True)                     # that collective alone failed
     put(box, data(1, Key(0, 0, 3, 0, 0), b"ok"))

@@ -1,0 +1,78 @@
+"""Backpressure between collectives: a rank far ahead of a slow peer waits for its credit
+(results unchanged, memory bounded), and only a peer that ignores its credits is refused."""
+import re
+import textwrap
+
+import pytest
+
+from harness import spawn_job
+
+pytestmark = pytest.mark.timeout(90)
+
+AHEAD = textwrap.dedent("""
+    import time, numpy as np, ringcomm
+    comm = ringcomm.init()
+    me = comm.rank
+    if me == 0:
+        time.sleep(1.5)                     # descheduled while the others run far ahead
+    outcomes = []
+    for i in range(12):                     # rank 2 disagrees on the size: every call fails,
+        x = np.ones(8 if me == 2 else 4, np.float32)   # ranks 1 and 2 without waiting for rank 0
+        try:
+            comm.all_reduce(x, algorithm="ring")
+            outcomes.append("ok")
+        except ringcomm.CollectiveMismatch:
+            outcomes.append("mismatch")
+        except ringcomm.CommError as exc:
+            outcomes.append(repr(exc))
+    x = np.full(1000, me + 1.0, np.float32)
+    comm.all_reduce(x)                      # and then the job goes on
+    assert np.array_equal(x, np.full(1000, 6.0, np.float32)), x[:4]
+    print("outcomes", ",".join(sorted(set(outcomes))))
+    print("stalls", comm._engine.transport.credit.stalls)
+""")
+
+
+def test_ranks_far_ahead_of_a_slow_rank_wait_for_it_instead_of_being_refused():
+    """After failures (here a size mismatch between ranks 1 and 2) ranks can honestly run
+    many collectives ahead of a descheduled peer: they wait for its credit."""
+    results = spawn_job(AHEAD, 3, env={"RINGCOMM_COLLECTIVE_WINDOW": "4"}, timeout=80)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0 and "outcomes mismatch\n" in out, f"rank {rank}: {out}{err}"
+    assert int(results[2][1].split("stalls ")[1].split()[0]) > 0  # rank 2 was held back
+
+
+CHEAT = textwrap.dedent("""
+    import time, numpy as np, ringcomm
+    from ringcomm import signature
+    from ringcomm.transport import frame
+    comm = ringcomm.init()
+    x = np.ones(4, np.float32)
+    if comm.rank == 1:                      # sends collective #5's data before #0 ran anywhere
+        sig = signature.pack("all_reduce", x.dtype, "sum", "ring", 0, x.size)
+        def cheat(transport):
+            key = frame.Key(comm.comm_id, 0, 5, 0, 0)
+            transport._post(0, frame.pack(frame.Kind.DATA, 1, key, 8, sig), x[:2].view(np.uint8), True)
+        with comm._engine.lock:
+            work = comm._engine.submit(cheat, "cheat")
+        work.wait()
+    else:
+        time.sleep(0.5)
+    for i in range(6):
+        try:
+            comm.all_reduce(x.copy(), algorithm="ring")
+        except ringcomm.CommError as exc:
+            print(f"failed #{i}: {exc}")  # (#5 of the communicator: init ran one)
+            break
+    else:
+        print("not refused")
+""")
+
+
+def test_a_peer_that_ignores_its_credits_is_refused_and_named():
+    results = spawn_job(CHEAT, 2, env={"RINGCOMM_COLLECTIVE_WINDOW": "2"}, timeout=60)
+    code, out, err = results[0]
+    assert re.search(r"rank 1 ignored its flow-control credits: it sent data for collective #5 "
+                     r"while this rank had finished (none|only up to #0) \(a window of 2", out), out + err
+    assert out.split("failed #")[1].split(":")[0] == results[1][1].split("failed #")[1].split(":")[0]
+    assert "ignored its flow-control credits" in results[1][1]  # the cheat learns why
