@@ -17,19 +17,9 @@ hosts have their disconnects and, at a deadline, the liveness check (PING/PONG, 
 Goodbyes say why. A rank that closes after a call of its own failed puts in its BYE what that
 failure blamed (``first_failure``: the first error a call failed with here, which
 :mod:`ringcomm.collective` keeps), so that a peer waiting for it blames the rank that failed
-first, not the survivor that closed: "rank 1 closed after losing rank 2". The BYE's header
-carries it in ``sig``, laid out as an ABORT's (``mailbox.ABORT_SIG``, ``<BIB10x``):
-
-====== ==== ==============================================================================
-code   u8   0: a plain goodbye (the whole ``sig`` is zero, as before); else the error class
-            of the first failure, coded as an ABORT codes it (``mailbox.ABORT_CLASSES``:
-            1 CollectiveMismatch, 2 CommTimeout, 3 PeerLost, 4 any other error, ...)
-rank   u32  the rank that failure blamed; 0xFFFFFFFF (``NO_RANK``): none
-cause  u8   a timeout's cause, as ABORT codes it (index in ``errors.TIMEOUT_CAUSES``)
-====== ==== ==============================================================================
-
-and the key fields, ``nbytes`` and the payload stay zero and empty. A receiver waiting for (or
-sending to) a rank whose BYE blames another raises :class:`PeerLost` naming the blamed rank.
+first, not the survivor that closed: "rank 1 closed after losing rank 2" (the encoding is
+:mod:`.goodbye`'s). A receiver waiting for (or sending to) a rank whose BYE blames another
+raises :class:`PeerLost` naming the blamed rank.
 
 Sends never block (no high-water mark). A message under ``ONE_FRAME_BYTES`` is one frame
 (header, then payload); a larger one two frames, so that the payload can go out zero-copy.
@@ -62,14 +52,13 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import TIMEOUT_CAUSES, CommError, CommTimeout, FrameError, PeerLost
-from . import frame, liveness
+from ..errors import CommError, CommTimeout, FrameError, PeerLost
+from . import frame, goodbye, liveness
 from .base import Transport
 from .channel import largest_message, supported as channel_supported
 from .peer_channels import PeerChannels
 from .frame import Kind
 from .credit import window_from_env
-from .mailbox import ABORT_CLASSES, ABORT_SIG, NO_RANK, abort_code
 from .same_host import VIA_ZMQ, SameHost
 from .shm import InLanes
 
@@ -97,30 +86,9 @@ _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HAND
                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-PLAIN_BYE = bytes(16)  # the sig of a goodbye after no failure
 # what a child forked from a rank may not call (see ZmqTransport._forked_child)
 _PARENT_ONLY = ("_send", "_post", "_send_slot", "take_slot", "_pump", "_glance", "_drain",
                 "_drain_pull", "_drain_channels", "flush", "open_lanes", "await_connections")
-
-
-def goodbye_sig(failure):
-    """The ``sig`` of the BYE of a rank closing after ``failure`` (``None``: none)."""
-    if failure is None:
-        return PLAIN_BYE
-    blamed, cause = getattr(failure, "rank", None), getattr(failure, "cause", None)
-    return ABORT_SIG.pack(abort_code(failure),
-                          blamed if type(blamed) is int and 0 <= blamed < NO_RANK else NO_RANK,
-                          TIMEOUT_CAUSES.index(cause) if cause in TIMEOUT_CAUSES else 0)
-
-
-def goodbye_reason(sig, world_size):
-    """What a BYE's ``sig`` says: ``None`` for a plain goodbye, else ``(error class, the rank
-    it blames or None, a timeout's cause or None)``."""
-    code, blamed, cause = ABORT_SIG.unpack(sig)
-    if code == 0:
-        return None
-    return (ABORT_CLASSES.get(code, CommError), blamed if blamed < world_size else None,
-            TIMEOUT_CAUSES[cause] if cause < len(TIMEOUT_CAUSES) else None)
 
 
 class ZmqTransport(SameHost, Transport):
@@ -192,7 +160,7 @@ class ZmqTransport(SameHost, Transport):
         self._ready = set()  # peers whose connection completed the security handshake
         self._refused = {}   # peer -> handshake failure event
         self.rejected = 0
-        self._bye_why = {}   # peer -> what its goodbye said went wrong (see goodbye_reason)
+        self._bye_why = {}   # peer -> what its goodbye said went wrong (see goodbye.reason)
         # same-host peers watched as processes: a pidfd each in the poll, else /proc
         self._watch = liveness.Watch(processes or {})
         self._exited = set()  # peers whose process was seen to end
@@ -244,6 +212,10 @@ class ZmqTransport(SameHost, Transport):
         if dst in self._said_bye:
             words, blamed = self._how_closed(dst)
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it {words}", rank=blamed)
+
+    def _how_closed(self, peer):
+        """``peer``'s goodbye in words, and the rank to blame (see .goodbye)."""
+        return goodbye.how_closed(self._bye_why.get(peer), peer, self.rank)
 
     def _post(self, dst, header, payload, copy=False):
         self._check_open_to(dst)
@@ -341,8 +313,8 @@ class ZmqTransport(SameHost, Transport):
             if self._channels is not None:  # what it sent before its goodbye comes first
                 self._drain_channels(header.src)
             self._said_bye.add(header.src)
-            if header.sig != PLAIN_BYE:
-                self._bye_why[header.src] = goodbye_reason(header.sig, self.world_size)
+            if header.sig != goodbye.PLAIN:
+                self._bye_why[header.src] = goodbye.reason(header.sig, self.world_size)
         elif not self._control(header):  # an ABORT
             self.mailbox.put(header, payload)
 
@@ -448,25 +420,6 @@ class ZmqTransport(SameHost, Transport):
         self._exited.add(peer)
         self._gone_since.setdefault(peer, time.monotonic())
 
-    def _how_closed(self, peer):
-        """How ``peer``, which said BYE, closed, in words, and the rank to blame for it: the
-        rank its goodbye blames, else ``peer`` itself."""
-        why = self._bye_why.get(peer)
-        if why is None:
-            return "closed its communicator", peer
-        kind, blamed, cause = why
-        if blamed is None or blamed == peer:
-            return f"closed its communicator after a failure ({kind.__name__})", peer
-        whom = f"rank {blamed}" + (" (this rank)" if blamed == self.rank else "")
-        if kind is PeerLost:
-            words = f"losing {whom}"
-        elif kind is CommTimeout:
-            words = f"timing out on {whom}" + {"silent": " (it stopped answering)",
-                                               "not started": " (it never started the collective)"}.get(cause, "")
-        else:
-            words = f"a {kind.__name__} with {whom}"
-        return f"closed after {words}", blamed
-
     # -- closing ---------------------------------------------------------------------------
     def close(self):
         """Say BYE to every peer (with what this rank's first failure blamed, if one did; see
@@ -477,7 +430,7 @@ class ZmqTransport(SameHost, Transport):
         except Exception as exc:  # closing must not fail; the data is lost either way
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
         bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, 0, 0, 0, 0), 0,
-                         goodbye_sig(getattr(self, "first_failure", None)))
+                         goodbye.sig_for(self.first_failure))
         for sock in self._push.values():
             try:
                 sock.send_multipart([bye, b""], zmq.NOBLOCK)

@@ -17,7 +17,7 @@ import pytest
 
 from harness import spawn_job
 from ringcomm.errors import CollectiveMismatch, CommError, CommTimeout, PeerLost
-from ringcomm.transport.zmq_transport import PLAIN_BYE, goodbye_reason, goodbye_sig
+from ringcomm.transport.goodbye import PLAIN as PLAIN_BYE, reason as goodbye_reason, sig_for as goodbye_sig
 
 from test_forked_rank_dies import kill_child
 
