@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from . import signature
 from .engine import Deferred
-from .errors import CollectiveMismatch, CommTimeout, SignatureMismatch
+from .errors import CollectiveMismatch, CommTimeout, Revoked, SignatureMismatch
 from .link import Link
 from .transport.mailbox import AbortNotice
 
@@ -116,6 +116,8 @@ class Call:
             if space == 0:
                 transport.retire(comm.comm_id, seq, failed)
         comm._stats.collectives += 1
+        if transport.first_failure is not None:  # recovered: a goodbye now blames nobody
+            transport.first_failure = None
         return self.result
 
     def _on_device(self, ready, step, finished):
@@ -157,7 +159,7 @@ class Call:
 
     def _abort(self, transport, exc):
         _noted(transport, exc)
-        if self.space != 0:
+        if self.space != 0 or isinstance(exc, Revoked):  # the revoking rank announced it once
             return
         try:
             transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)

@@ -34,7 +34,7 @@ from .algorithms import SCHEDULES, schedule
 from .algorithms.choice import auto_algorithm
 from .checks import check_array, check_device_reduce, check_pair, check_peer, check_rank, split_sizes
 from .collective import Call
-from .errors import CollectiveMismatch, CommError
+from .errors import CollectiveMismatch, CommError, Revoked
 from .link import HOST, Stats
 from .ops import parse_op
 from .threads import ThreadGuard
@@ -272,9 +272,20 @@ class Communicator:
     def _revoke(self, why):
         """Make every collective on this communicator fail, here and on every other rank
         (see ringcomm.threads); safe from any thread: the running call sees it as it waits."""
-        transport = self._engine.transport
-        transport.revoked.setdefault(self.comm_id, why)
+        transport, engine = self._engine.transport, self._engine
+        if transport.revoked.setdefault(self.comm_id, why) is not why:
+            return  # revoked already (here, or by another rank, which told every member)
         transport.wake()
+        ranks, comm_id = self.ranks, self.comm_id
+
+        def announce(transport):  # once, to every member: their waits then fail at once
+            try:
+                transport.abort(ranks, comm_id, 0, Revoked(why))
+            except CommError:  # a member is gone: its loss is reported on its own
+                pass
+        with engine.lock:
+            if not engine.closed:
+                engine.submit(announce, f"revoke {self.name}")
 
     def reset_stats(self):
         self._stats = Stats()
@@ -333,6 +344,9 @@ class Communicator:
         return check_array(x, name, writable, self._device)
 
     def _check_open(self):
+        if self._engine.forked:
+            raise CommError(f"{self.name}: this process was forked from the one that owns the "
+                            f"communicator and cannot use it (it may make one of its own)")
         if self._closed or self._engine.closed:
             raise CommError(f"{self.name}: communicator is closed")
 

@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 
 from .errors import CommError, CommTimeout
 
@@ -24,12 +25,21 @@ _DONE_LOCK = threading.Lock()  # orders Work._finish against a waiter making its
 _waiting = 0  # threads of this process blocked in Work.wait (under _DONE_LOCK)
 
 
-def _new_done_lock():  # a fork taken while another thread held it must not inherit it held
+_engines = weakref.WeakSet()  # every engine of this process (see _after_fork)
+
+
+def _after_fork():
+    """In a forked child: no lock may stay held by a thread that does not exist there, and
+    the parent's engines are closed (their thread is not in the child: work queued for it
+    would wait forever), so every call on them raises at once."""
     global _DONE_LOCK
     _DONE_LOCK = threading.Lock()
+    for engine in list(_engines):
+        engine.lock, engine._busy = threading.Lock(), threading.Lock()
+        engine.closed = engine.forked = True
 
 
-os.register_at_fork(after_in_child=_new_done_lock)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class Deferred:
@@ -196,6 +206,8 @@ class Engine:
         self._deferred = 0  # deferred operations in progress on the communication thread
         self.transport = None
         self.closed = False
+        self.forked = False  # this process is a child forked from the engine's owner
+        _engines.add(self)
         ready = Work(lambda _: make_transport(), "start-up")
         self._thread = threading.Thread(target=self._loop, args=(ready,), name=name, daemon=True)
         self._thread.start()

@@ -42,7 +42,9 @@ class CommTimeout(CommError, TimeoutError):
 
 
 class PeerLost(CommError):
-    """A peer process died, disconnected or closed its communicator."""
+    """A peer process died, disconnected or closed its communicator; ``.rank`` names it, or,
+    when it closed because one of its calls failed on another rank, that rank (the one that
+    failed first: see ringcomm.transport.goodbye)."""
 
     def __init__(self, message, rank=None):
         super().__init__(message)

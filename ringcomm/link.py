@@ -223,10 +223,17 @@ class Link:
         """Wait until global rank ``dst`` has room for this collective's data: a rank far
         ahead of it is held back (see ringcomm.transport.credit); a timeout names whoever a
         liveness check finds to blame."""
+        transport = self.transport
+        if self._staged and not transport.room(dst, self.comm_id, self.seq):
+            self.drain()  # no staged segment waits behind the wait
         try:
-            self.transport.await_room(dst, self.comm_id, self.seq, self.deadline, self.what)
+            transport.await_room(dst, self.comm_id, self.seq, self.deadline, self.what)
         except CommTimeout as exc:
-            raise self._blame(exc, dst) from None
+            blamed = self._blame(exc, dst)
+            if blamed.rank == dst and blamed.cause == "not started":  # alive, but far behind
+                exc.rank, exc.cause = dst, "not started"
+                raise exc from None
+            raise blamed from None
         self._room.add(dst)
 
     def _take(self, src, key, wait=True):

@@ -9,19 +9,23 @@ alone which thread loses), so when a rank sees a collective called while another
 one in progress on the same communicator (a blocking call not yet returned, or an
 ``async_op`` work not yet complete), it **revokes** the communicator: the caller gets
 :class:`~ringcomm.errors.Revoked`, the call in progress fails wherever it waits or before it
-returns, and every later collective on it fails on this rank and, through the abort each
-failure sends, on every other rank, which revokes it there too. No rank returns the result of
-a collective it was running when it learned of the revocation. A communicator that was
-revoked stays so; ``new_group`` makes a fresh one (one per thread, if threads must overlap).
+returns (a wake-up cuts its sleep short), the communication thread tells every member once
+(a Revoked abort, which revokes it there too, and their waits fail at once), and every later
+collective on it fails on every rank. No rank returns the result of a collective it was still
+running when the revocation reached it, which with a call that waits on other ranks is every
+call paired with the other thread's. A communicator that was revoked stays so; ``new_group``
+makes a fresh one (``members_only=True`` from a revoked parent; one per thread, if threads
+must overlap).
 
-What no rank can see is a mix-up where the threads never overlap on any one rank (thread A's
-call finished everywhere before thread B's began on that rank, in another order on each
-rank); every program must keep what makes that impossible: collectives on all
-communicators issued in the same order on every rank. The pattern that works is one thread
-issuing them, with ``async_op=True`` for overlap; handing a communicator from one thread to
-another after its calls returned is fine. Point-to-point calls are numbered per peer and tag,
-and a receive does not hold the communication thread, so they are neither guarded nor
-revoked.
+What no rank can see: a mix-up where the threads never overlap on any one rank (thread A's
+call finished before thread B's began there, in another order on another rank), or a rank
+that finished the mixed call before the revocation reached it (its next collective fails).
+Every program must keep what makes that impossible: collectives on all communicators issued
+in the same order on every rank. The pattern that works is one thread issuing them, with
+``async_op=True`` for overlap; handing a communicator to another thread once its calls are
+complete (an ``async_op`` call counts until its work is) is fine. Point-to-point calls are
+numbered per peer and tag, and a receive does not hold the communication thread, so they are
+neither guarded nor revoked.
 
 >>> guard = ThreadGuard("world", revoke=lambda why: ...)
 >>> user = guard.enter("all_reduce"); ...; guard.leave(user)

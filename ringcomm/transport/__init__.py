@@ -8,6 +8,7 @@ import zmq
 from .. import env
 from . import liveness, rendezvous
 from .base import P2P_WINDOW_BYTES
+from .credit import window_from_env
 from .security import Guard
 from .tuning import raise_fd_limit, tune_malloc
 from . import shm
@@ -64,7 +65,7 @@ def connect(info):
         entry["shm"] = _shared_memory_entry(info)
         settings = {"segment_bytes": info.segment_bytes,
                     "shm_slots": info.shm_slots if info.shared_memory else 0,
-                    "p2p_window": P2P_WINDOW_BYTES}
+                    "p2p_window": P2P_WINDOW_BYTES, "collective_window": window_from_env()}
         table = rendezvous.exchange(context, info.rank, info.world_size, info.master_addr,
                                     info.master_port, entry, settings, info.secret, info.job,
                                     info.timeout)

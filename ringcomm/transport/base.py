@@ -197,6 +197,10 @@ class Transport(ABC):
             raise Revoked(why)
 
     # -- collective flow control (see .credit) -------------------------------------------
+    def room(self, dst, comm_id, seq):
+        """True if data of collective ``seq`` of ``comm_id`` may go to ``dst`` now."""
+        return self.credit is None or self.credit.room(dst, comm_id, seq)
+
     def await_room(self, dst, comm_id, seq, deadline, what):
         """Wait until data of collective ``seq`` of ``comm_id`` may go to global rank ``dst``
         (it has finished collective ``seq - window``); moves messages meanwhile. Raises

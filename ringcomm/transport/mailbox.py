@@ -82,6 +82,7 @@ class Mailbox:
                                  bytes(payload).decode("utf-8", "replace"))
             if notice.kind is Revoked:  # revoked there: here too, whatever this rank has seen
                 self.revoked.setdefault(key.comm_id, notice.reason)
+                return  # every wait on it checks the revocation: no notice to keep
             if key.seq <= self._failed_upto.get(key.comm_id, -1):
                 return  # this rank failed that collective, or a later one: it has told its caller
             if key.seq <= self._retired.get(key.comm_id, -1):

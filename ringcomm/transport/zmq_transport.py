@@ -47,6 +47,7 @@ import logging
 import math
 import os
 import select
+import threading
 import time
 
 import zmq
@@ -167,7 +168,10 @@ class ZmqTransport(SameHost, Transport):
         self._next_look = 0.0  # when /proc may be read again (Watch.look)
         self._poll_all += [(fd, zmq.POLLIN) for fd in self._watch.fds]
         # another thread's way to cut a wait short (see wake): a pipe in the poll
-        self._wake_in, self._wake_out = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_in, self._wake_out = os.pipe()
+        os.set_blocking(self._wake_in, False)
+        os.set_blocking(self._wake_out, False)
+        self._wake_lock = threading.Lock()  # a wake() racing close() never writes a closed fd
         self._poll_all.append((self._wake_in, zmq.POLLIN))
         for peer in self._watch.gone:
             self._on_exited(peer)
@@ -294,10 +298,13 @@ class ZmqTransport(SameHost, Transport):
     def wake(self):
         """Safe from any thread: end the current wait's sleep now (a revocation must reach
         the call waiting in it at once, not at its next look)."""
-        try:
-            os.write(self._wake_out, b"w")
-        except OSError:  # full (a wake-up is pending anyway) or closed
-            pass
+        with self._wake_lock:
+            if self._wake_out < 0:  # closed
+                return
+            try:
+                os.write(self._wake_out, b"w")
+            except BlockingIOError:  # full: a wake-up is pending anyway
+                pass
 
     def _woken(self):
         try:
@@ -446,8 +453,9 @@ class ZmqTransport(SameHost, Transport):
         for monitor in self._monitor_peer:
             monitor.close(linger=0)
         self._pull.close(linger=0)
-        wake_fds, (self._wake_in, self._wake_out) = (self._wake_in, self._wake_out), (-1, -1)
-        for fd in wake_fds:  # (a late wake() then writes nowhere, not into a reused number)
+        with self._wake_lock:
+            wake_fds, (self._wake_in, self._wake_out) = (self._wake_in, self._wake_out), (-1, -1)
+        for fd in wake_fds:
             os.close(fd)
         self._watch.close()
         liveness.unguard_fork(self)

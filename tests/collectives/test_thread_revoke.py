@@ -72,3 +72,79 @@ def test_threads_racing_on_a_communicator_never_mix_results():
         assert "other []" in out, out  # every failure says the communicator was revoked
         revoked = int(out.split("revoked ")[1].split()[0])
         assert revoked >= trials, out  # the race was seen (and revoked) in every trial
+
+
+REVOKED_ONCE = textwrap.dedent("""
+    import threading, time, numpy as np, ringcomm
+    comm = ringcomm.init()
+    group = comm.new_group([0, 1])
+
+    def catch(call):
+        try:
+            call()
+        except ringcomm.CommError as exc:
+            return exc
+    if comm.rank == 0:
+        failed = []
+        worker = threading.Thread(target=lambda: failed.append(
+            type(catch(lambda: group.all_reduce(np.ones(4)))).__name__))
+        worker.start()
+        time.sleep(0.2)
+        first = catch(group.barrier)         # the second thread: refused, the group revoked
+        worker.join(10)
+        errors = {type(catch(group.barrier)).__name__ for _ in range(2000)}  # a retry loop
+        print("rank0", type(first).__name__, failed, sorted(errors))
+    comm.barrier()                          # (rank 1 never called a collective on the group)
+    if comm.rank == 1:
+        start = time.monotonic()
+        exc = catch(lambda: group.all_reduce(np.ones(4)))
+        took = time.monotonic() - start
+        def held(transport):
+            box = transport.mailbox
+            return len(box._notices) + len(box._late)
+        with comm._engine.lock:
+            work = comm._engine.submit(held, "held")
+        print("rank1", type(exc).__name__, f"{took:.2f}", work.wait())
+    x = np.ones(3)
+    comm.all_reduce(x)
+    print("world", x[0])
+""")
+
+
+def test_a_revocation_reaches_every_member_once_and_a_retry_loop_sends_nothing():
+    (c0, out0, err0), (c1, out1, err1) = spawn_job(REVOKED_ONCE, 2, timeout=60)
+    assert c0 == 0 and c1 == 0, err0 + err1
+    assert "rank0 Revoked ['Revoked'] ['Revoked']" in out0, out0
+    name, took, held = out1.split("rank1 ")[1].split()[:3]
+    assert name == "Revoked" and float(took) < 1.0, out1  # told at once, not at a deadline
+    assert int(held) == 0, out1                           # 2000 failed retries sent no abort
+    assert "world 2.0" in out0 and "world 2.0" in out1
+
+
+FORKED = textwrap.dedent("""
+    import os, time, numpy as np, ringcomm
+    comm = ringcomm.init()
+    x = np.ones(1 << 20)
+    work = comm.all_reduce(x, async_op=True)   # the communication thread may be busy at the fork
+    pid = os.fork()
+    if pid == 0:
+        start = time.monotonic()
+        try:
+            comm.all_reduce(np.ones(4))
+            outcome = "ran"
+        except ringcomm.CommError as exc:
+            outcome = "refused: " + str(exc)
+        print(f"child {time.monotonic() - start:.2f} {outcome}", flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    work.wait()
+    comm.all_reduce(x)
+    print("parent", x[0])
+""")
+
+
+def test_a_forked_child_is_refused_at_once_even_with_work_in_flight():
+    for code, out, err in spawn_job(FORKED, 2, timeout=60):
+        assert code == 0 and "parent 4.0" in out, out + err
+        took = float(out.split("child ")[1].split()[0])
+        assert took < 1.0 and "refused: world: this process was forked from the one" in out, out
