@@ -1,9 +1,12 @@
 """Collective flow control: a rank that runs ahead of a slow peer waits, it is never refused.
 
-Ranks of a communicator run its collectives in one order, but not in step: a rank that only
-sends in a rooted collective (a non-root of a gather), or one with a queue of ``async_op``
-calls, can finish collective #s while a slow peer (descheduled, stopped, on a loaded core) is
-still in #s−5. The peer must buffer whatever arrives early, so the sender is held back by a
+Ranks of a communicator run its collectives in one order, but not in step. A collective
+that succeeds needs every rank's part (rooted ones first exchange signatures with every
+rank), so a rank finishes #s only once every peer has started it and runs at most about two
+collectives ahead; but a collective can *fail* early on some ranks (a size mismatch between
+two of them, an abort) while a slow peer (descheduled, stopped, on a loaded core) is still
+collectives behind, and a queue of ``async_op`` calls that fail that way lets a rank run
+arbitrarily far ahead. The peer must buffer whatever arrives early, so the sender is held back by a
 *window* of ``W`` collectives per peer and communicator (``RINGCOMM_COLLECTIVE_WINDOW``,
 default 16, the same on every rank): it sends data of collective ``s`` to peer ``p`` only
 once it knows ``p`` has finished collective ``s − W`` or later. What a rank buffers for one
