@@ -52,7 +52,9 @@ def check_device_reduce(x, op, device):
 
 
 def check_rank(value, size, name, group="the group"):
-    if not isinstance(value, (int, np.integer)) or not 0 <= value < size:
+    # (a bool is an int to Python: True would silently name rank 1)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or \
+            not 0 <= value < size:
         raise ValueError(f"{name} {value!r} is not a rank of {group} (size {size})")
 
 
@@ -61,7 +63,8 @@ def check_peer(peer, name, tag, rank, size, group="the group"):
     check_rank(peer, size, name, group)
     if peer == rank:
         raise ValueError(f"{name}={peer} is this rank itself")
-    if not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 32:
+    if isinstance(tag, (bool, np.bool_)) or not isinstance(tag, (int, np.integer)) or \
+            not 0 <= tag < 2 ** 32:
         raise ValueError(f"tag must be an integer in [0, 2**32), got {tag!r}")
 
 

@@ -68,6 +68,7 @@ class Work:
         self._deferred = None  # set when the work waits for messages (see Deferred)
         self._callbacks = None  # see add_done_callback
         self._join = None  # see joins
+        self._pid = os.getpid()  # a child forked after this was made has no thread to finish it
 
     def _run(self, transport):
         """Run the work function; False if it deferred its completion (also when it was
@@ -147,6 +148,9 @@ class Work:
         current stream is made to wait for it (kernels queued next see the result; the host
         does not block); ``synchronize=True`` (or :meth:`synchronize`) blocks until it ran.
         """
+        if not self._settled and self._pid != os.getpid():
+            raise CommError(f"{self.what}: this process was forked from the one that submitted "
+                            f"it and cannot wait for it (only that process can)")
         if not self._settled:
             with _DONE_LOCK:
                 if not self._settled and self._event is None:

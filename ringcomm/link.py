@@ -247,6 +247,8 @@ class Link:
 
     def _blame(self, timeout, src):
         """The timeout to raise after asking who stopped answering (see Transport.probe)."""
+        if timeout.cause == "silent":  # a rank that failed a liveness check before: no new one
+            return timeout
         me = self.ranks[self.rank]
         peers = self.ranks if self.space == 0 else [src]
         silent, behind = self.transport.probe(peers, self.comm_id, self.seq)

@@ -43,7 +43,11 @@ def synthetic(features, classes, samples, seed, test_samples=2048):
 def load_npz(path, classes=None):
     """The dataset in ``path``, every input finite and every label a whole number in ``[0,
     classes)`` (``classes`` None: any label >= 0); ValueError naming the first bad row."""
-    with np.load(path) as f:
+    loaded = np.load(path)
+    if not isinstance(loaded, np.lib.npyio.NpzFile):  # a .npy holds one array, no labels
+        raise ValueError(f"{path}: needs an .npz file with arrays 'x' and 'y' (np.savez), got "
+                         f"one array")
+    with loaded as f:
         if "x" not in f or "y" not in f:
             raise ValueError(f"{path}: needs arrays 'x' and 'y', found {sorted(f.files)}")
         if ("x_test" in f) != ("y_test" in f):
@@ -57,6 +61,9 @@ def load_npz(path, classes=None):
                                  f"{x.shape}, {y.shape}")
             arrays[xs], arrays[ys] = _inputs(path, xs, x), _labels(path, ys, y, classes)
     x, y = arrays["x"], arrays["y"]
+    if "x_test" in arrays and arrays["x_test"].shape[1] != x.shape[1]:
+        raise ValueError(f"{path}: x_test has {arrays['x_test'].shape[1]} features a row, x has "
+                         f"{x.shape[1]}")
     return Dataset(x, y, arrays.get("x_test", x), arrays.get("y_test", y))
 
 

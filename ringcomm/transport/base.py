@@ -93,7 +93,10 @@ class Transport(ABC):
         return INSIDE if self.running.get(comm_id) == seq else NOT_REACHED
 
     def _control(self, header):
-        """Handle a PING or PONG; True if ``header`` was one."""
+        """Handle a control message (PING, PONG, CREDIT, WANT, GRANT); True if ``header`` was
+        one."""
+        if self.mailbox.quiet:  # it answers again
+            self.mailbox.quiet.pop(header.src, None)
         if header.kind == Kind.PING:
             key = header.key
             answer = frame.Key(key.comm_id, 0, key.seq, self._state(key.comm_id, key.seq), 0)
@@ -135,7 +138,21 @@ class Transport(ABC):
             self._pump(0.02)
         answers, self._probing = self._answers, None
         silent = [p for p in others if p not in answers]
+        now = time.monotonic()
+        for peer in silent:  # until it is heard from, later waits for it fail at once
+            self.mailbox.quiet.setdefault(peer, now)
         return silent, [p for p in others if answers.get(p) == NOT_REACHED]
+
+    def _check_quiet(self, peer, what):
+        """Raise :class:`CommTimeout` if ``peer`` failed a liveness check and nothing came
+        from it since: a queue of calls behind a stopped rank fails call by call at once, not
+        one deadline each."""
+        since = self.mailbox.quiet.get(peer)
+        if since is not None:
+            raise CommTimeout(f"{what}: rank {peer} stopped answering (it did not answer a "
+                              f"liveness check {time.monotonic() - since:.1f} s ago and nothing "
+                              f"came from it since); rank {self.rank} gave up",
+                              rank=peer, cause="silent")
 
     def send(self, dst, key, sig, payload, copy=False):
         """Send ``payload`` (a contiguous array or bytes) to global rank ``dst``; returns
@@ -211,6 +228,8 @@ class Transport(ABC):
         credit.stalls += 1
         while not credit.room(dst, comm_id, seq):
             self._check_peers(what, dst)
+            if self.mailbox.quiet:
+                self._check_quiet(dst, what)
             if self.revoked:
                 self.check_revoked(comm_id)
             remaining = deadline - time.monotonic()
@@ -248,6 +267,8 @@ class Transport(ABC):
         payload = self._take(src, key, sig)
         if payload is None:
             self._check_peers(what, src)
+            if self.mailbox.quiet:
+                self._check_quiet(src, what)
             if self.revoked and key.space == 0:
                 self.check_revoked(key.comm_id)
             if time.monotonic() > deadline:
@@ -262,6 +283,8 @@ class Transport(ABC):
             if payload is not None:
                 return payload
             self._check_peers(what, src)
+            if self.mailbox.quiet:
+                self._check_quiet(src, what)
             if self.revoked and key.space == 0:
                 self.check_revoked(key.comm_id)
             remaining = deadline - time.monotonic()

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # an abort's signature field: error class, the rank it blames, why (a timeout's cause)
 ABORT_SIG = struct.Struct("<BIB10x")
 NO_RANK = 0xFFFFFFFF
+MAX_REFUSALS = 1024  # refused collectives remembered (each fails naming its sender)
 ABORT_CLASSES = {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked}
 ABORT_CODES = {cls: code for code, cls in ABORT_CLASSES.items()}
 
@@ -66,10 +67,14 @@ class Mailbox:
         self._retired = {}                    # comm -> highest retired seq
         self._failed_upto = {}                # comm -> highest seq that failed here
         self.revoked = {}                     # comm -> why every call on it fails (Revoked)
+        # peer -> when it failed to answer a liveness check, until anything comes from it
+        self.quiet = {}
         self.dropped = 0
 
     def put(self, header, payload):
         """File one validated message."""
+        if self.quiet:
+            self.quiet.pop(header.src, None)
         key = header.key
         if header.kind == Kind.ABORT and key.space != 0:
             self.dropped += 1  # aborts concern collectives only
@@ -96,11 +101,12 @@ class Mailbox:
             return
         if retired is not None and self.collective_window is not None and \
                 key.seq > retired + self.collective_window:
-            if (key.comm_id, key.seq) not in self._too_early:
+            if not self._too_early:  # logged once: a flood must not flood the log too
                 log.error("rank %d sends data for collective #%d while this rank has finished "
                           "only up to #%d, past the window of %d collectives it was granted: "
                           "refusing it", header.src, key.seq, retired, self.collective_window)
-            self._too_early[(key.comm_id, key.seq)] = (header.src, retired)
+            if len(self._too_early) < MAX_REFUSALS:  # (memory for the evidence is bounded too)
+                self._too_early.setdefault((key.comm_id, key.seq), (header.src, retired))
             self.dropped += 1
             return
         ident = (header.src, *key)

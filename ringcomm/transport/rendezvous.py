@@ -261,7 +261,8 @@ class _Server:
         elif hello.get("settings") != self.settings:
             mismatch = (f"rank {r} has settings {hello.get('settings')}, rank 0 has {self.settings} "
                         f"(every rank needs the same RINGCOMM_SEGMENT_BYTES, RINGCOMM_SHM, "
-                        f"RINGCOMM_SHM_SLOTS, RINGCOMM_TRANSPORT and RINGCOMM_P2P_WINDOW_BYTES: the "
+                        f"RINGCOMM_SHM_SLOTS, RINGCOMM_TRANSPORT, RINGCOMM_P2P_WINDOW_BYTES and "
+                        f"RINGCOMM_COLLECTIVE_WINDOW: the "
                         f"segment size default "
                         f"follows the last ones)")
         if mismatch:  # a rank of this job, configured differently: the job cannot run

@@ -134,7 +134,12 @@ FORKED = textwrap.dedent("""
             outcome = "ran"
         except ringcomm.CommError as exc:
             outcome = "refused: " + str(exc)
-        print(f"child {time.monotonic() - start:.2f} {outcome}", flush=True)
+        try:
+            work.wait()                        # a handle the parent made: nobody here finishes it
+            waited = "waited"
+        except ringcomm.CommError as exc:
+            waited = "refused: " + str(exc)
+        print(f"child {time.monotonic() - start:.2f} {outcome} | {waited}", flush=True)
         os._exit(0)
     os.waitpid(pid, 0)
     work.wait()
@@ -148,3 +153,4 @@ def test_a_forked_child_is_refused_at_once_even_with_work_in_flight():
         assert code == 0 and "parent 4.0" in out, out + err
         took = float(out.split("child ")[1].split()[0])
         assert took < 1.0 and "refused: world: this process was forked from the one" in out, out
+        assert "| refused: all_reduce #1 on world: this process was forked from the one" in out, out

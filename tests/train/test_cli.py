@@ -302,6 +302,12 @@ def test_data_file_without_arrays(tmp_path):
     np.savez(path, x=np.zeros((4, 8)), y=np.zeros(5))
     with pytest.raises(ValueError, match="same length"):
         load_npz(path)
+    np.savez(path, x=np.zeros((4, 8)), y=np.zeros(4), x_test=np.zeros((2, 7)), y_test=np.zeros(2))
+    with pytest.raises(ValueError, match="x_test has 7 features a row, x has 8"):
+        load_npz(path)
+    np.save(tmp_path / "one.npy", np.zeros((4, 8)))
+    with pytest.raises(ValueError, match=r"needs an \.npz file with arrays 'x' and 'y'"):
+        load_npz(tmp_path / "one.npy")
 
 
 # -- learning ----------------------------------------------------------------------------------
