@@ -76,3 +76,37 @@ def test_a_peer_that_ignores_its_credits_is_refused_and_named():
                      r"while this rank had finished (none|only up to #0) \(a window of 2", out), out + err
     assert out.split("failed #")[1].split(":")[0] == results[1][1].split("failed #")[1].split(":")[0]
     assert "ignored its flow-control credits" in results[1][1]  # the cheat learns why
+
+
+HELD_BACK = textwrap.dedent("""
+    import os, signal, subprocess, time, numpy as np, ringcomm
+    comm = ringcomm.init(timeout=3)
+    comm.barrier()
+    if comm.rank == 0:                      # stopped past the deadline, then let go
+        subprocess.Popen(["sh", "-c", f"sleep 10; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        print("resumed")
+    else:
+        start = time.monotonic()
+        try:
+            for i in range(40):             # every call fails early (ranks 1 and 2 disagree)
+                try:
+                    comm.all_reduce(np.ones(8 if comm.rank == 2 else 4, np.float32), algorithm="ring")
+                except ringcomm.CollectiveMismatch:
+                    pass
+            print("never held back")
+        except ringcomm.CommTimeout as exc:
+            print(f"held back {time.monotonic() - start:.1f} rank={exc.rank} cause={exc.cause}: {exc}")
+        print("stalls", comm._engine.transport.credit.stalls)
+""")
+
+
+def test_a_wait_for_credit_counts_toward_the_deadline_and_names_the_peer_holding_it_back():
+    results = spawn_job(HELD_BACK, 3, env={"RINGCOMM_COLLECTIVE_WINDOW": "4"}, timeout=60)
+    for rank in (1, 2):
+        out = results[rank][1]
+        assert "held back " in out, out + results[rank][2]
+        took = float(out.split("held back ")[1].split()[0])
+        assert took < 3 + 1 + 3, out  # the deadline, a liveness check, slack
+        assert "rank=0 cause=silent" in out and "rank 0 stopped answering" in out, out
+    assert int(results[2][1].split("stalls ")[1]) > 0  # rank 2 (it sends to rank 0) waited for credit
