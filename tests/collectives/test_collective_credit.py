@@ -13,8 +13,16 @@ AHEAD = textwrap.dedent("""
     import time, numpy as np, ringcomm
     comm = ringcomm.init()
     me = comm.rank
-    if me == 0:
-        time.sleep(1.5)                     # descheduled while the others run far ahead
+
+    def held_back(transport):               # rank 2 asks for credit it cannot have yet
+        transport.pump(0.05)
+        return any(seq >= 5 for seq in transport.credit._wants.values())
+    if me == 0:                             # descheduled while the others run far ahead,
+        for _ in range(400):                # until rank 2 waits for it
+            with comm._engine.lock:
+                work = comm._engine.submit(held_back, "held back?")
+            if work.wait():
+                break
     outcomes = []
     for i in range(12):                     # rank 2 disagrees on the size: every call fails,
         x = np.ones(8 if me == 2 else 4, np.float32)   # ranks 1 and 2 without waiting for rank 0
@@ -56,8 +64,15 @@ CHEAT = textwrap.dedent("""
         with comm._engine.lock:
             work = comm._engine.submit(cheat, "cheat")
         work.wait()
-    else:
-        time.sleep(0.5)
+    else:                                   # run only once the cheat's frame came in (it may
+        def refused(transport):             # travel another path than the calls' data)
+            transport.pump(0.05)
+            return len(transport.mailbox._too_early)
+        for _ in range(200):
+            with comm._engine.lock:
+                work = comm._engine.submit(refused, "refused")
+            if work.wait():
+                break
     for i in range(6):
         try:
             comm.all_reduce(x.copy(), algorithm="ring")

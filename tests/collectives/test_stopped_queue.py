@@ -37,4 +37,7 @@ def test_a_queue_behind_a_stopped_rank_fails_within_about_one_deadline():
         assert "took " in out, out + err
         took = float(out.split("took ")[1].split()[0])
         assert took < 3 + 1 + 4, out  # the deadline, one liveness check, slack; not 17 deadlines
-        assert out.split(None, 2)[2].strip() == '["(\'CommTimeout\', 1)"]', out  # all blame rank 1
+        # every call blames rank 1: a timeout, or (once the other survivor gave up and closed)
+        # its goodbye, which names rank 1 too
+        blamed = out.split(None, 2)[2].strip()
+        assert blamed in ('["(\'CommTimeout\', 1)"]', '["(\'CommTimeout\', 1)", "(\'PeerLost\', 1)"]'), out
