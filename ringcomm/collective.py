@@ -159,7 +159,10 @@ class Call:
 
     def _abort(self, transport, exc):
         _noted(transport, exc)
-        if self.space != 0 or isinstance(exc, Revoked):  # the revoking rank announced it once
+        if isinstance(exc, Revoked):  # told once, by the revoking rank alone
+            transport.announce_revoked(self.comm.comm_id)
+            return
+        if self.space != 0:
             return
         try:
             transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)

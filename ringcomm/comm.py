@@ -34,7 +34,7 @@ from .algorithms import SCHEDULES, schedule
 from .algorithms.choice import auto_algorithm
 from .checks import check_array, check_device_reduce, check_pair, check_peer, check_rank, split_sizes
 from .collective import Call
-from .errors import CollectiveMismatch, CommError, Revoked
+from .errors import CollectiveMismatch, CommError
 from .link import HOST, Stats
 from .ops import parse_op
 from .threads import ThreadGuard
@@ -272,20 +272,17 @@ class Communicator:
     def _revoke(self, why):
         """Make every collective on this communicator fail, here and on every other rank
         (see ringcomm.threads); safe from any thread: the running call sees it as it waits."""
-        transport, engine = self._engine.transport, self._engine
-        if transport.revoked.setdefault(self.comm_id, why) is not why:
+        transport, engine, comm_id = self._engine.transport, self._engine, self.comm_id
+        if comm_id in transport.revoked:
             return  # revoked already (here, or by another rank, which told every member)
+        # told to every member once, by whichever comes first: the call in progress as it
+        # fails, or the communication thread (work queued before it may block for long)
+        transport.unannounced[comm_id] = (self.ranks, why)
+        transport.revoked.setdefault(comm_id, why)
         transport.wake()
-        ranks, comm_id = self.ranks, self.comm_id
-
-        def announce(transport):  # once, to every member: their waits then fail at once
-            try:
-                transport.abort(ranks, comm_id, 0, Revoked(why))
-            except CommError:  # a member is gone: its loss is reported on its own
-                pass
         with engine.lock:
             if not engine.closed:
-                engine.submit(announce, f"revoke {self.name}")
+                engine.submit(lambda t: t.announce_revoked(comm_id), f"revoke {self.name}")
 
     def reset_stats(self):
         self._stats = Stats()
@@ -296,6 +293,9 @@ class Communicator:
         :class:`CommError` (and closes nothing) while another thread has a collective in
         progress on it."""
         if self._closed:
+            return
+        if self._engine.forked:  # a child's copy: nothing of it is this process's to close
+            self._closed = True  # (its guard may even be locked by a thread the child lacks)
             return
         self._threads.check_idle("close()")
         self._closed = True

@@ -32,8 +32,8 @@ def _after_fork():
     """In a forked child: no lock may stay held by a thread that does not exist there, and
     the parent's engines are closed (their thread is not in the child: work queued for it
     would wait forever), so every call on them raises at once."""
-    global _DONE_LOCK
-    _DONE_LOCK = threading.Lock()
+    global _DONE_LOCK, _waiting
+    _DONE_LOCK, _waiting = threading.Lock(), 0  # (the parent's waiting threads are not here)
     for engine in list(_engines):
         engine.lock, engine._busy = threading.Lock(), threading.Lock()
         engine.closed = engine.forked = True

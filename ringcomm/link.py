@@ -252,6 +252,8 @@ class Link:
         me = self.ranks[self.rank]
         peers = self.ranks if self.space == 0 else [src]
         silent, behind = self.transport.probe(peers, self.comm_id, self.seq)
+        silent = sorted(silent, key=lambda p: p != src)  # the rank waited on first, if it is one
+        behind = sorted(behind, key=lambda p: p != src)
         if silent:
             return CommTimeout(
                 f"{self.what}: rank {silent[0]} stopped answering (no reply to a liveness check: "

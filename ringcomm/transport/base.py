@@ -48,6 +48,7 @@ class Transport(ABC):
         # comm id -> why every call on that communicator fails: set by a rank that revokes
         # it (from any thread: see ringcomm.threads) and by another rank's Revoked abort
         self.revoked = self.mailbox.revoked
+        self.unannounced = {}  # comm id -> (members, why): a revocation not yet told to them
         # the first error a call on this rank failed with, set by the layers above: a rank
         # that closes after a failure says whom that error blamed (see .zmq_transport)
         self.first_failure = None
@@ -144,11 +145,15 @@ class Transport(ABC):
         return silent, [p for p in others if answers.get(p) == NOT_REACHED]
 
     def _check_quiet(self, peer, what):
-        """Raise :class:`CommTimeout` if ``peer`` failed a liveness check and nothing came
-        from it since: a queue of calls behind a stopped rank fails call by call at once, not
+        """Raise :class:`CommTimeout` if ``peer`` failed a liveness check at least
+        ``PROBE_WAIT`` ago and nothing came from it since (a late answer to that check
+        clears it): a queue of calls behind a stopped rank fails call by call at once, not
         one deadline each."""
         since = self.mailbox.quiet.get(peer)
-        if since is not None:
+        if since is not None and time.monotonic() - since >= PROBE_WAIT:
+            self._pump(0)  # its answer may be in, unread
+            since = self.mailbox.quiet.get(peer)
+        if since is not None and time.monotonic() - since >= PROBE_WAIT:
             raise CommTimeout(f"{what}: rank {peer} stopped answering (it did not answer a "
                               f"liveness check {time.monotonic() - since:.1f} s ago and nothing "
                               f"came from it since); rank {self.rank} gave up",
@@ -205,6 +210,19 @@ class Transport(ABC):
     def wake(self):
         """Safe from any thread: cut short the sleep of a wait in progress (a revocation
         then reaches it at once); a transport whose waits are short need do nothing."""
+
+    def announce_revoked(self, comm_id):
+        """Tell every member of ``comm_id`` once that this rank revoked it (a Revoked abort,
+        which revokes it there); a member that cannot be told does not stop the others."""
+        pending = self.unannounced.pop(comm_id, None)
+        if pending is None:
+            return
+        members, why = pending
+        for dst in members:
+            try:
+                self.abort([dst], comm_id, 0, Revoked(why))
+            except CommError:  # gone: its loss is reported on its own
+                pass
 
     def check_revoked(self, comm_id):
         """Raise :class:`Revoked` if communicator ``comm_id`` was revoked here or elsewhere

@@ -154,3 +154,40 @@ def test_a_forked_child_is_refused_at_once_even_with_work_in_flight():
         took = float(out.split("child ")[1].split()[0])
         assert took < 1.0 and "refused: world: this process was forked from the one" in out, out
         assert "| refused: all_reduce #1 on world: this process was forked from the one" in out, out
+
+
+BEHIND = textwrap.dedent("""
+    import threading, time, numpy as np, ringcomm
+    comm = ringcomm.init()
+    g, h = comm.new_group([0, 1]), comm.new_group([0, 1])
+
+    def catch(call):
+        try:
+            call()
+            return "ok"
+        except ringcomm.CommError as exc:
+            return type(exc).__name__
+    if comm.rank == 0:
+        out = {}
+        a = threading.Thread(target=lambda: out.__setitem__("a", catch(lambda: g.all_reduce(np.ones(4)))))
+        a.start()                             # in progress on g: rank 1 is not there yet
+        time.sleep(0.2)
+        pending = h.all_reduce(np.ones(4), async_op=True)  # queued work that waits for rank 1
+        out["refused"] = catch(g.barrier)     # a second thread on g: revoked
+        a.join(10)
+        out["h"] = catch(pending.wait)
+        print("rank0", out)
+    else:
+        time.sleep(0.5)
+        start = time.monotonic()
+        got = catch(lambda: g.all_reduce(np.ones(4)))
+        print(f"rank1 {got} {time.monotonic() - start:.2f}", catch(lambda: h.all_reduce(np.ones(4))))
+""")
+
+
+def test_a_revocation_is_told_at_once_even_with_blocking_work_queued_behind_it():
+    (c0, out0, err0), (c1, out1, err1) = spawn_job(BEHIND, 2, timeout=60)
+    assert c0 == 0 and c1 == 0, err0 + err1
+    assert "'a': 'Revoked'" in out0 and "'refused': 'Revoked'" in out0 and "'h': 'ok'" in out0, out0
+    got, took, h = out1.split("rank1 ")[1].split()
+    assert got == "Revoked" and float(took) < 2.0 and h == "ok", out1
