@@ -64,7 +64,7 @@ RACE = textwrap.dedent("""
 
 
 def test_threads_racing_on_a_communicator_never_mix_results():
-    trials = 120
+    trials = 200
     results = spawn_job(RACE.replace("TRIALS", str(trials)), 3, timeout=110)
     for rank, (code, out, err) in enumerate(results):
         assert code == 0 and "wrong 0 " in out, f"rank {rank}: {out}{err[-3000:]}"
