@@ -272,14 +272,11 @@ class Communicator:
     def _revoke(self, why):
         """Make every collective on this communicator fail, here and on every other rank
         (see ringcomm.threads); safe from any thread: the running call sees it as it waits."""
-        transport, engine, comm_id = self._engine.transport, self._engine, self.comm_id
-        if comm_id in transport.revoked:
-            return  # revoked already (here, or by another rank, which told every member)
-        # told to every member once, by whichever comes first: the call in progress as it
+        engine, comm_id = self._engine, self.comm_id
+        if not engine.transport.revoke(comm_id, self.ranks, why):
+            return
+        # every member is told once, by whichever comes first: the call in progress as it
         # fails, or the communication thread (work queued before it may block for long)
-        transport.unannounced[comm_id] = (self.ranks, why)
-        transport.revoked.setdefault(comm_id, why)
-        transport.wake()
         with engine.lock:
             if not engine.closed:
                 engine.submit(lambda t: t.announce_revoked(comm_id), f"revoke {self.name}")

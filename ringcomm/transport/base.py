@@ -17,11 +17,11 @@ import struct
 import time
 from abc import ABC, abstractmethod
 
-from ..errors import TIMEOUT_CAUSES, CommError, CommTimeout, Revoked
+from ..errors import CommError, CommTimeout, Revoked
 from . import frame
 from .credit import CollectiveCredit
 from .frame import Kind
-from .mailbox import ABORT_SIG, NO_RANK, Mailbox, abort_code
+from .mailbox import Mailbox, abort_sig
 
 NOT_REACHED, INSIDE, FINISHED = 0, 1, 2  # a PONG's answer about one collective
 PROBE_WAIT = 1.0  # seconds a liveness check waits for answers
@@ -211,6 +211,18 @@ class Transport(ABC):
         """Safe from any thread: cut short the sleep of a wait in progress (a revocation
         then reaches it at once); a transport whose waits are short need do nothing."""
 
+    def revoke(self, comm_id, members, why):
+        """Safe from any thread: revoke ``comm_id`` here (its collectives fail; a wait in
+        progress wakes to see it) and note that ``members`` are still to be told
+        (:meth:`announce_revoked`). False if it was revoked already (here or elsewhere,
+        and then every member was told)."""
+        if comm_id in self.revoked:
+            return False
+        self.unannounced[comm_id] = (members, why)
+        self.revoked.setdefault(comm_id, why)
+        self.wake()
+        return True
+
     def announce_revoked(self, comm_id):
         """Tell every member of ``comm_id`` once that this rank revoked it (a Revoked abort,
         which revokes it there); a member that cannot be told does not stop the others."""
@@ -245,11 +257,7 @@ class Transport(ABC):
             return
         credit.stalls += 1
         while not credit.room(dst, comm_id, seq):
-            self._check_peers(what, dst)
-            if self.mailbox.quiet:
-                self._check_quiet(dst, what)
-            if self.revoked:
-                self.check_revoked(comm_id)
+            self._check_waiting(dst, comm_id, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommTimeout(
@@ -258,9 +266,19 @@ class Transport(ABC):
                     f"{self.rank} gave up waiting", rank=dst)
             self._pump(min(remaining, 0.05))
 
+    def _check_waiting(self, peer, comm_id, what):
+        """What every wait for ``peer`` checks as it goes round: that it is not gone, nor
+        quiet since a liveness check, and (``comm_id`` of a collective) that the
+        communicator was not revoked."""
+        self._check_peers(what, peer)
+        if self.mailbox.quiet:
+            self._check_quiet(peer, what)
+        if comm_id is not None and self.revoked:
+            self.check_revoked(comm_id)
+
     def check(self, peer, deadline, what):
         """Raise if ``peer`` is gone or ``deadline`` passed (for a wait outside :meth:`recv`)."""
-        self._check_peers(what, peer)
+        self._check_waiting(peer, None, what)
         if time.monotonic() > deadline:
             raise CommTimeout(f"{what}; rank {self.rank} gave up", rank=peer)
 
@@ -284,11 +302,7 @@ class Transport(ABC):
         """Like :meth:`recv` but never waits: the payload, or ``None`` if not here yet."""
         payload = self._take(src, key, sig)
         if payload is None:
-            self._check_peers(what, src)
-            if self.mailbox.quiet:
-                self._check_quiet(src, what)
-            if self.revoked and key.space == 0:
-                self.check_revoked(key.comm_id)
+            self._check_waiting(src, key.comm_id if key.space == 0 else None, what)
             if time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: timed out waiting for rank {src}; rank {self.rank} gave up")
         return payload
@@ -300,11 +314,7 @@ class Transport(ABC):
             payload = self._take(src, key, sig)
             if payload is not None:
                 return payload
-            self._check_peers(what, src)
-            if self.mailbox.quiet:
-                self._check_quiet(src, what)
-            if self.revoked and key.space == 0:
-                self.check_revoked(key.comm_id)
+            self._check_waiting(src, key.comm_id if key.space == 0 else None, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommTimeout(
@@ -325,11 +335,7 @@ class Transport(ABC):
     def abort(self, peers, comm_id, seq, exc):
         """Tell ``peers`` (global ranks) that collective ``seq`` failed here, and why."""
         reason = str(exc).encode("utf-8")[: frame.MAX_ABORT_BYTES]
-        lost = getattr(exc, "rank", None)
-        cause = getattr(exc, "cause", None)
-        cause = TIMEOUT_CAUSES.index(cause) if cause in TIMEOUT_CAUSES else 0
-        sig = ABORT_SIG.pack(abort_code(exc), NO_RANK if lost is None else lost, cause)
-        key = frame.Key(comm_id, 0, seq, 0, 0)
+        sig, key = abort_sig(exc), frame.Key(comm_id, 0, seq, 0, 0)
         for dst in peers:
             if dst != self.rank:
                 self._post(dst, frame.pack(Kind.ABORT, self.rank, key, len(reason), sig), reason)

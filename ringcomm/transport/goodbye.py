@@ -20,19 +20,14 @@ cause  u8   a timeout's cause (index in ``errors.TIMEOUT_CAUSES``)
 >>> how_closed((PeerLost, 2, None), peer=0, me=1)             # ("closed after losing rank 2", 2)
 """
 from ..errors import TIMEOUT_CAUSES, CommError, CommTimeout, PeerLost
-from .mailbox import ABORT_CLASSES, ABORT_SIG, NO_RANK, abort_code
+from .mailbox import ABORT_CLASSES, ABORT_SIG, abort_sig
 
 PLAIN = bytes(16)  # the sig of a goodbye after no failure
 
 
 def sig_for(failure):
     """The ``sig`` of the BYE of a rank closing after ``failure`` (``None``: none)."""
-    if failure is None:
-        return PLAIN
-    blamed, cause = getattr(failure, "rank", None), getattr(failure, "cause", None)
-    return ABORT_SIG.pack(abort_code(failure),
-                          blamed if type(blamed) is int and 0 <= blamed < NO_RANK else NO_RANK,
-                          TIMEOUT_CAUSES.index(cause) if cause in TIMEOUT_CAUSES else 0)
+    return PLAIN if failure is None else abort_sig(failure)
 
 
 def reason(sig, world_size):

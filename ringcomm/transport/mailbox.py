@@ -41,6 +41,15 @@ def abort_code(exc):
     return 4
 
 
+def abort_sig(exc):
+    """An ABORT's ``sig`` for ``exc`` (a goodbye after a failure carries the same): its
+    class's code, the rank it blames (``.rank``), a timeout's cause (``.cause``)."""
+    blamed, cause = getattr(exc, "rank", None), getattr(exc, "cause", None)
+    return ABORT_SIG.pack(abort_code(exc),
+                          blamed if type(blamed) is int and 0 <= blamed < NO_RANK else NO_RANK,
+                          TIMEOUT_CAUSES.index(cause) if cause in TIMEOUT_CAUSES else 0)
+
+
 class AbortNotice(CommError):
     """Rank ``src``'s ABORT of collective ``seq`` of communicator ``comm_id``, as it came: the
     class of its error (``kind``), the rank it blames (``rank``, or None), why (``cause``, for
