@@ -284,11 +284,16 @@ class Communicator:
     def reset_stats(self):
         self._stats = Stats()
 
-    def close(self):
+    def close(self, grace=None):
         """Release the communicator. Closing the world also stops the communication thread
         after the queued work and says goodbye to every peer; idempotent. Raises
         :class:`CommError` (and closes nothing) while another thread has a collective in
-        progress on it."""
+        progress on it.
+
+        ``grace`` (the world only; seconds): queued and running calls may take this long
+        to finish; then every one left fails with :class:`CommError` and the close ends
+        within about a second more (peers still waiting for this rank then fail, naming
+        it). Without it, they finish or fail within their deadline first."""
         if self._closed:
             return
         if self._engine.forked:  # a child's copy: nothing of it is this process's to close
@@ -297,7 +302,7 @@ class Communicator:
         self._threads.check_idle("close()")
         self._closed = True
         if self._is_world:
-            self._engine.close()
+            self._engine.close(grace=grace)
 
     def __enter__(self):
         return self
@@ -363,7 +368,8 @@ class Communicator:
         run = self._schedules.get((algorithm, collective))
         if run is None:
             run = self._schedules[(algorithm, collective)] = schedule(algorithm, collective)
-        sig = signature.pack(collective, x.dtype, op, algorithm, root or 0, x.size if count is None else count)
+        sig = signature.pack(collective, x.dtype, op, algorithm, root or 0, x.size if count is None else count,
+                             signature.current_view())
         if root is not None:
             # some ranks of a rooted collective only send, so a rank that disagrees on the
             # root could finish without noticing: agreeing first fails the call on every rank
@@ -376,7 +382,7 @@ class Communicator:
         return self._submit(body, sig, x, result, async_op, collective, route=None)
 
     def _point_to_point(self, route, body, x, result, async_op):
-        sig = signature.pack("point_to_point", x.dtype, None, None, 0, x.size)
+        sig = signature.pack("point_to_point", x.dtype, None, None, 0, x.size, signature.current_view())
         return self._submit(body, sig, x, result, async_op, "point_to_point", route=route)
 
     def _submit(self, body, sig, x, result, async_op, verb, route):

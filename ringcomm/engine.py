@@ -210,6 +210,7 @@ class Engine:
         self._deferred = 0  # deferred operations in progress on the communication thread
         self.transport = None
         self.closed = False
+        self._abandoned = None  # why work still queued fails instead of running (see close)
         self.forked = False  # this process is a child forked from the engine's owner
         _engines.add(self)
         ready = Work(lambda _: make_transport(), "start-up")
@@ -249,7 +250,11 @@ class Engine:
                 if work is None:
                     break
                 with self._busy:
-                    if work is not _IDLE and not work._run(self.transport):
+                    if self._abandoned is not None:  # closing without waiting: fail, don't run
+                        for w in [*deferred, *([] if work is _IDLE else [work])]:
+                            w._fail(CommError(f"{w.what}: {self._abandoned}"))
+                        deferred = []
+                    elif work is not _IDLE and not work._run(self.transport):
                         deferred.append(work)
                     deferred = [w for w in deferred if not w._advance()]
                     self._deferred = len(deferred)
@@ -354,11 +359,21 @@ class Engine:
                 self._pending += 1
                 self._queue.put(work)  # _run sees it began: only _advance remains
 
-    def close(self, timeout=60.0):
-        """Finish queued work, close the transport (BYE to peers) and stop the thread."""
+    def close(self, timeout=60.0, grace=None):
+        """Finish queued work, close the transport (BYE to peers) and stop the thread.
+
+        ``grace`` (seconds): queued and running work may take this long to finish; then
+        whatever is left fails with :class:`CommError` (a wait in progress at once) and the
+        thread stops within about a second more."""
         with self.lock:
             if self.closed:
                 return
             self.closed = True
             self._queue.put(None)
+        if grace is not None:
+            self._thread.join(grace)
+            if self._thread.is_alive():
+                self._abandoned = "the communicator was closed while this call was in flight"
+                self.transport.stop(self._abandoned)
+                timeout = max(0.0, timeout - grace)
         self._thread.join(timeout)

@@ -22,14 +22,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
+from .. import signature
 from ..errors import CommError
 from .tensors import check_op, lend, wire_count
+from .versions import VersionNames
 from .work import TorchWork
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "prod", ReduceOp.MIN: "min",
         ReduceOp.MAX: "max", ReduceOp.BAND: "band", ReduceOp.BOR: "bor", ReduceOp.BXOR: "bxor"}
 MONITOR_TAG, MONITOR_TAGS = 0xFFFF_0000, 0xFFFF  # monitored_barrier's point-to-point tags
+SHUTDOWN_GRACE_S = 1.0  # destroy_process_group() waits this long for calls in flight
 
 
 def _reduce_op(reduce_op):
@@ -41,6 +45,15 @@ def _reduce_op(reduce_op):
     if kind not in _OPS:
         raise ValueError(f"ringcomm has no reduce op {kind}")
     return _OPS[kind], None
+
+
+def _viewed_as(loans):
+    """Sign the call with what its tensors' wire elements stand for (one dtype per call)."""
+    views = {loan.view for loan in loans if loan.tensors}
+    if len(views) > 1:
+        raise ValueError(f"ringcomm: tensors of several dtypes in one call: "
+                         f"{sorted({str(t.dtype) for loan in loans for t in loan.tensors})}")
+    return signature.viewed_as(views.pop() if views else "")
 
 
 def _one(tensors, verb):
@@ -59,7 +72,7 @@ def _rows(tensor, splits, n, name):
     return [int(s) * per_row for s in splits]
 
 
-class ProcessGroupRingcomm(dist.ProcessGroup):
+class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
     """A torch.distributed process group whose verbs run on ``comm`` (a ringcomm
     communicator over the group's members, group rank i = communicator rank i)."""
 
@@ -96,16 +109,18 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return lend(tensors, gpu=self._gpu, **kw)
 
     def _start(self, opts, loans, result, call, after=None):
-        """Start ``call(async_op)``; a TorchWork over what it returns."""
+        """Start ``call(async_op)``, signed with the loans' view; a TorchWork over what it
+        returns."""
         async_op = opts is None or getattr(opts, "asyncOp", True)
-        if async_op or self._gpu:
-            # on a GPU even a synchronous call goes through TorchWork's wait, which blocks
-            # until the device work is done before the copies back run on torch's stream
-            work = TorchWork(call(True), loans, result, after)
-            if not async_op:
-                work.wait()
-            return work
-        call(False)
+        with _viewed_as(loans):
+            if async_op or self._gpu:
+                # on a GPU even a synchronous call goes through TorchWork's wait, which blocks
+                # until the device work is done before the copies back run on torch's stream
+                work = TorchWork(call(True), loans, result, after)
+                if not async_op:
+                    work.wait()
+                return work
+            call(False)
         return TorchWork(None, loans, result, after)
 
     def _reduction(self, tensors, opts):
@@ -115,6 +130,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # -- reductions -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor):  # DDP's Join hook passes a bare tensor
+            tensors = [tensors]
         return self._all_reduce([_one(tensors, "allreduce")], opts or dist.AllreduceOptions(), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -185,14 +202,21 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._each(self.all_gather_single, outputs, inputs, opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self._each(lambda outs, x, o: self.allgather([outs], [x], o), output_lists, input_list, opts)
+        """torch's layout: ``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
+        n, k = self.comm.world_size, len(input_list)
+        if len(output_lists) != n or any(len(outs) != k for outs in output_lists):
+            raise ValueError(f"ringcomm allgather_coalesced: {n} output lists (one per rank) of {k} "
+                             f"tensors (one per input) expected, got {[len(o) for o in output_lists]}")
+        by_input = [[output_lists[r][i] for r in range(n)] for i in range(k)]
+        return self._chain([self.allgather([outs], [x], opts) for outs, x in zip(by_input, input_list)],
+                           output_lists)
 
     def _each(self, verb, outputs, inputs, opts):
         """A coalesced call: ``verb(output, input, opts)`` for each pair, one work for all."""
         return self._chain([verb(o, i, opts) for o, i in zip(outputs, inputs, strict=True)], outputs)
 
     def _all_gather(self, outs, x, opts, result):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         xs = self._lend([x], output=False)
         ys = self._lend(outs, copy_in=False)
         return self._start(opts, [xs, ys], result,
@@ -298,20 +322,24 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def send(self, tensors, dstRank, tag=0):
         loan = self._lend([_one(tensors, "send")], output=False)
-        return TorchWork(self.comm.send(loan.array, dstRank, tag, async_op=True), [loan], tensors)
+        with _viewed_as([loan]):
+            return TorchWork(self.comm.send(loan.array, dstRank, tag, async_op=True), [loan], tensors)
 
     def recv(self, tensors, srcRank, tag=0):
         loan = self._lend([_one(tensors, "recv")])
-        return TorchWork(self.comm.recv(loan.array, srcRank, tag, async_op=True), [loan], tensors)
+        with _viewed_as([loan]):
+            return TorchWork(self.comm.recv(loan.array, srcRank, tag, async_op=True), [loan], tensors)
 
     def recv_anysource(self, tensors, tag=0):
         raise RuntimeError("ringcomm receives from a named rank only: pass src to recv/irecv")
 
     # -- lifetime -------------------------------------------------------------------------
     def shutdown(self):
+        """destroy_process_group(): the calls still in flight get SHUTDOWN_GRACE_S to
+        finish, then fail here and on every rank that waits for this one."""
         if self._on_shutdown is not None:
             self._on_shutdown(self)
-        self.comm.close()
+        self.comm.close(grace=SHUTDOWN_GRACE_S)
 
     abort = shutdown
 

@@ -14,6 +14,10 @@ one or more tensors, with ``finish()`` to run once the collective completed:
   into one contiguous buffer, and outputs are copied back by ``finish()``;
 - a CUDA tensor is lent to CuPy through DLPack, on a communicator whose device is the GPU.
 
+A loan's ``view`` ("bfloat16", "complex" or "") is what its wire elements stand for; the
+group signs it with each call, so ranks whose tensors differ in dtype but not on the wire
+(bfloat16 against int16, complex64[2] against float32[4]) raise ``CollectiveMismatch``.
+
 >>> loan = lend([t], reducing=True)     # t: a contiguous float32 CPU tensor
 >>> comm.all_reduce(loan.array); loan.finish()   # t holds the sum; no copy was made
 """
@@ -35,6 +39,15 @@ def check_op(tensors, op, factor=None):
         raise ValueError(f"ringcomm reduces complex tensors with sum or avg only, not {op!r}")
     if factor is not None and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"ringcomm: PREMUL_SUM scales floating-point tensors, not {dtype}")
+
+
+def _view_of(tensor):
+    """What ``tensor``'s wire elements stand for (ringcomm.signature.VIEWS). torch.distributed
+    hands most verbs a complex tensor as ``torch.view_as_real(t)``: a real view whose base is
+    complex, which is how it is still told from a real tensor."""
+    if tensor.is_complex() or (tensor._base is not None and tensor._base.is_complex()):
+        return "complex"
+    return "bfloat16" if tensor.dtype is torch.bfloat16 else ""
 
 
 def _device(tensors, gpu):
@@ -108,6 +121,8 @@ class Loan:
             raise ValueError(f"ringcomm: tensors of several dtypes in one collective: "
                              f"{sorted({str(t.dtype) for t in self.tensors})}")
         wire = _wire_dtype(self.tensors[0].dtype, reducing) if self.tensors else torch.uint8
+        # what the wire elements stand for, signed with the call (ringcomm.signature.VIEWS)
+        self.view = _view_of(self.tensors[0]) if self.tensors else ""
         self.bounds, start = [], 0  # (tensor, start, stop): each tensor's wire elements in the buffer
         for t in self.tensors:
             stop = start + wire_count(t)

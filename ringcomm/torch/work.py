@@ -150,19 +150,30 @@ class TorchWork(dist._Work):
         return self._result
 
     def get_future(self):
+        """The future of this call: its value is the output tensors; on failure, waiting
+        for it raises RuntimeError carrying ringcomm's error (its class and its words).
+
+        torch's ``Future.set_exception`` stores the exception as the future's *value*,
+        which only Python unwraps: DDP's C++ reducer would read it as the result and crash.
+        An error raised inside a ``then`` callback is stored as a C++ error instead, which
+        every caller (C++ and Python) sees as one; so the future handed out is the
+        continuation of a private one that is completed with nothing."""
         with self._lock:
             if self._future is not None:
                 return self._future
-            self._future = future = torch.futures.Future()
+            settled = torch.futures.Future()
+            self._future = future = settled.then(self._outcome)
         if self._work is None:
-            self._complete(future)
+            settled.set_result(None)
         else:
-            self._work.add_done_callback(lambda _: COMPLETER.put(lambda: self._complete(future)))
+            self._work.add_done_callback(lambda _: COMPLETER.put(lambda: self._complete(settled)))
         return future
 
-    def _complete(self, future):
-        error = self._settle()
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(self._result)
+    def _complete(self, settled):
+        self._settle()
+        settled.set_result(None)
+
+    def _outcome(self, _settled):
+        if self._error is not None:
+            raise self._error
+        return self._result

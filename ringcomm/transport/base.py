@@ -52,6 +52,7 @@ class Transport(ABC):
         # the first error a call on this rank failed with, set by the layers above: a rank
         # that closes after a failure says whom that error blamed (see .zmq_transport)
         self.first_failure = None
+        self.stopping = None  # why every wait now fails: the owner is closing (see stop)
         self._unacked = collections.defaultdict(int)  # (peer, comm, tag) -> bytes in flight
         self.running = {}   # comm id -> sequence number of the collective running here
         self._answers = {}  # peer -> its PONG state for the probe in progress
@@ -211,6 +212,12 @@ class Transport(ABC):
         """Safe from any thread: cut short the sleep of a wait in progress (a revocation
         then reaches it at once); a transport whose waits are short need do nothing."""
 
+    def stop(self, why):
+        """Safe from any thread: every wait in progress or to come fails with
+        :class:`CommError` saying ``why`` (the owner closes without waiting for its calls)."""
+        self.stopping = why
+        self.wake()
+
     def revoke(self, comm_id, members, why):
         """Safe from any thread: revoke ``comm_id`` here (its collectives fail; a wait in
         progress wakes to see it) and note that ``members`` are still to be told
@@ -270,6 +277,8 @@ class Transport(ABC):
         """What every wait for ``peer`` checks as it goes round: that it is not gone, nor
         quiet since a liveness check, and (``comm_id`` of a collective) that the
         communicator was not revoked."""
+        if self.stopping is not None:
+            raise CommError(f"{what}: {self.stopping}")
         self._check_peers(what, peer)
         if self.mailbox.quiet:
             self._check_quiet(peer, what)

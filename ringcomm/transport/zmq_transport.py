@@ -430,10 +430,13 @@ class ZmqTransport(SameHost, Transport):
     # -- closing ---------------------------------------------------------------------------
     def close(self):
         """Say BYE to every peer (with what this rank's first failure blamed, if one did; see
-        the module docstring), wait (bounded) until each said BYE or is gone, then close."""
-        deadline = time.monotonic() + self.close_wait
+        the module docstring), wait (bounded) until each said BYE or is gone, then close.
+        After :meth:`stop` it neither flushes nor waits for BYEs: the owner asked not to wait."""
+        # stopped: only the BYE itself is still delivered (the sockets' linger)
+        deadline = time.monotonic() + (0 if self.stopping is not None else self.close_wait)
         try:
-            self.flush(deadline, "close")
+            if self.stopping is None:
+                self.flush(deadline, "close")
         except Exception as exc:  # closing must not fail; the data is lost either way
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
         bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, 0, 0, 0, 0), 0,

@@ -169,6 +169,14 @@ def movements():
             dist.broadcast(y, src=_global(N - 1, group), group=group)
             return [*pieces, whole, y]
         check(case, run)
+    case = "all_gather_coalesced, inputs of two sizes"
+    xs = [data(case, RANK, (3,), torch.float32), data(case + "b", RANK, (2, 2), torch.float32)]
+
+    def coalesced_gather(group):
+        outs = [[torch.empty_like(x) for x in xs] for _ in range(N)]  # outs[rank][input]
+        dist.all_gather_coalesced(outs, xs, group=group)
+        return [t for per_rank in outs for t in per_rank]
+    check(case, coalesced_gather)
     case = "gather, scatter"
     x = data(case, RANK, (6,), torch.int32)
     sources = [data(case, 100 + i, (6,), torch.int32) for i in range(N)]
@@ -294,6 +302,20 @@ def work_and_errors():
         REPORT.append([case, "no error"])
     except CollectiveMismatch as exc:
         REPORT.append([case, None if "all_reduce" in str(exc) else str(exc)])
+    # dtypes that differ only in what the wire elements stand for
+    for case, verb, mine, others in [
+            ("bfloat16 broadcast against int16 raises CollectiveMismatch", dist.broadcast,
+             lambda: torch.ones(4, dtype=torch.bfloat16), lambda: torch.ones(4, dtype=torch.int16)),
+            ("complex64[2] all_reduce against float32[4] raises CollectiveMismatch", dist.all_reduce,
+             lambda: torch.ones(2, dtype=torch.complex64), lambda: torch.ones(4)),
+            ("bfloat16 all_reduce against float32 raises CollectiveMismatch", dist.all_reduce,
+             lambda: torch.ones(4, dtype=torch.bfloat16), lambda: torch.ones(4))]:
+        t = mine() if RANK == 0 else others()
+        try:
+            (verb(t, 0, async_op=True) if verb is dist.broadcast else verb(t, async_op=True)).wait()
+            REPORT.append([case, "no error"])
+        except CollectiveMismatch as exc:
+            REPORT.append([case, None if "bfloat16 as" in str(exc) or "complex as" in str(exc) else str(exc)])
     case = "the group works after a mismatch"
     y = torch.ones(2)
     dist.all_reduce(y)

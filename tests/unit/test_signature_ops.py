@@ -98,8 +98,25 @@ def test_describe_malformed_bytes_does_not_raise(raw):
 
 def test_describe_unknown_codes_as_numbers():
     raw = bytes([200, 99, 77, 66]) + (5).to_bytes(4, "little", signed=True) + (7).to_bytes(8, "little")
-    assert signature.describe(raw) == "?200(count=7, dtype=?98, op=?77, algorithm=?66)"
+    # dtype byte 99 = view 6 (unknown) over wire code 3 (float64)
+    assert signature.describe(raw) == "?200(count=7, dtype=?6 as float64, op=?77, algorithm=?66)"
     assert signature.describe(bytearray(raw)) == signature.describe(raw)
+
+
+def test_a_view_signs_apart_from_its_wire_dtype():
+    """bfloat16 travelling as int16 (or complex as float32) is not int16 (float32)."""
+    plain = signature.pack("broadcast", np.int16, None, "ring", 0, 8)
+    with signature.viewed_as("bfloat16"):
+        viewed = signature.pack("broadcast", np.int16, None, "ring", 0, 8, signature.current_view())
+        with signature.viewed_as(""):
+            assert signature.current_view() == 0
+        assert signature.current_view() == 1
+    assert signature.current_view() == 0
+    assert viewed != plain and viewed[2:] == plain[2:]
+    assert signature.describe(viewed) == "broadcast(count=8, dtype=bfloat16 as int16, algorithm=ring, root=0)"
+    with signature.viewed_as("complex"):
+        assert "dtype=complex as float32" in signature.describe(
+            signature.pack("all_reduce", np.float32, "sum", "ring", 0, 4, signature.current_view()))
 
 
 # -- ops.parse_op ---------------------------------------------------------------------------------
