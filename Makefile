@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 4
 
-.PHONY: run test install install-test install-bench bench gpu-check gpu-wheels lint clean
+.PHONY: run test install install-test install-bench bench gpu-check gpu-wheels lint clean torch-version
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -96,6 +96,22 @@ gpu-check:
 	  --no-compile --target /tmp/ringcomm-site .whl/*.whl; fi
 	PYTHONPATH=/tmp/ringcomm-site:$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 \
 	  python3 bench/gpu_check.py --out $${OUT:-bench/out}
+
+# tests/torch_backend under another torch than make test's 2.13 CPU wheel, in a side virtual
+# environment (.venv-torch-<version>, ignored by git): PyPI's Linux wheels of other versions
+# are CUDA builds with their libraries (several GB) and run on the CPU too. Opt-in only.
+# Output: the pytest summary in bench/out/torch-<version>.txt.
+TORCH_VERSION ?= 2.11.0
+TORCH_VENV := .venv-torch-$(TORCH_VERSION)
+torch-version: SHELL := /bin/bash
+torch-version:
+	[ -x $(TORCH_VENV)/bin/python ] || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(TORCH_VENV)/bin/python -m pip install --quiet -e ".[test]"
+	mkdir -p $(BENCH_OUT)
+	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)" | tee $(BENCH_OUT)/torch-$(TORCH_VERSION).txt
+	$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/torch_backend 2>&1 | tee -a $(BENCH_OUT)/torch-$(TORCH_VERSION).txt; \
+	  exit $${PIPESTATUS[0]}
 
 lint: install-test
 	$(PY) -m pip install --quiet ruff

@@ -4,7 +4,8 @@
 >>> comm = ringcomm.init()                    # under `python -m ringcomm.launch --nproc 4`
 >>> comm.all_reduce(x)                        # in place, ring by default for large x
 
-Public names: :func:`init`, :class:`Communicator`, :class:`ReduceOp`, and the errors
+Public names: :func:`init`, :class:`Communicator`, :class:`ReduceOp`, :data:`ANY_SOURCE`
+(``comm.recv(x, ringcomm.ANY_SOURCE, tag)``: from any rank; it is None), and the errors
 :class:`CommError`, :class:`CommTimeout`, :class:`PeerLost`, :class:`CollectiveMismatch`,
 :class:`Revoked`.
 Imports are lazy so that ``python -m ringcomm.launch`` starts fast.
@@ -16,6 +17,7 @@ _LAZY = {
     "Communicator": "ringcomm.comm",
     "Work": "ringcomm.engine",
     "ReduceOp": "ringcomm.ops",
+    "ANY_SOURCE": "ringcomm.receives",
     "CommError": "ringcomm.errors",
     "CommTimeout": "ringcomm.errors",
     "PeerLost": "ringcomm.errors",

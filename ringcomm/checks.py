@@ -63,6 +63,10 @@ def check_peer(peer, name, tag, rank, size, group="the group"):
     check_rank(peer, size, name, group)
     if peer == rank:
         raise ValueError(f"{name}={peer} is this rank itself")
+    check_tag(tag)
+
+
+def check_tag(tag):
     if isinstance(tag, (bool, np.bool_)) or not isinstance(tag, (int, np.integer)) or \
             not 0 <= tag < 2 ** 32:
         raise ValueError(f"tag must be an integer in [0, 2**32), got {tag!r}")

@@ -92,7 +92,7 @@ class Call:
             else:
                 deferred = self.body(link)
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
-                return Deferred(self._finishing(link, deferred.progress), self.result)
+                return self._finishing(link, deferred)
             transport.flush(link.deadline, self.what)
             if space == 0:  # another rank may have aborted a collective this one only sent in
                 transport.raise_news(comm.comm_id, seq)
@@ -135,11 +135,14 @@ class Call:
         if self.completion is not None:
             self.device.join(self.completion, synchronize)
 
-    def _finishing(self, link, progress):
-        """``progress`` of a deferred point-to-point call, counted once when it completes. It
-        may go on in another thread than the one that started it (a receive handed over to
-        the communication thread): each step enters the device's stream context there."""
-        staged = self.device.staged
+    def _finishing(self, link, deferred):
+        """The call's :class:`Deferred` over a point-to-point body's ``deferred``: counted
+        once when it completes; its result is the body's where the body has one (a receive
+        from any source: the peer it took from), else the call's. It may go on in another
+        thread than the one that started it (a receive handed over to the communication
+        thread): each step enters the device's stream context there."""
+        staged, progress = self.device.staged, deferred.progress
+        outer = Deferred(None, self.result)
 
         def finishing():
             try:  # the submission's event was waited for in run: no ready event here
@@ -154,8 +157,11 @@ class Call:
                 raise
             if done:
                 self.comm._stats.collectives += 1
+                if deferred.result is not None:
+                    outer.result = deferred.result
             return done
-        return finishing
+        outer.progress = finishing
+        return outer
 
     def _abort(self, transport, exc):
         _noted(transport, exc)

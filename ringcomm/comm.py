@@ -29,10 +29,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from . import groups, p2p, signature
+from . import groups, p2p, receives, signature
 from .algorithms import SCHEDULES, schedule
 from .algorithms.choice import auto_algorithm
-from .checks import check_array, check_device_reduce, check_pair, check_peer, check_rank, split_sizes
+from .checks import check_array, check_device_reduce, check_pair, check_peer, check_rank, check_tag, split_sizes
 from .collective import Call
 from .errors import CollectiveMismatch, CommError
 from .link import HOST, Stats
@@ -71,7 +71,8 @@ class Communicator:
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self._is_world = is_world
         self._seq = 0                      # the next collective's sequence number
-        self._p2p_seq = defaultdict(int)   # (direction, peer, tag) -> next message number
+        self._p2p_seq = defaultdict(int)   # ("to", peer, tag) -> next message number
+        self._receives = receives.Receives()  # the numbers of receives (see ringcomm.receives)
         self._groups = groups.Counters()
         self._local = None  # see the `local` property
         self._topology = None  # see the `topology` property
@@ -241,10 +242,28 @@ class Communicator:
 
     def recv(self, x, src, tag=0, async_op=False):
         """In place: ``x`` gets what rank ``src`` sent with ``tag`` (same dtype and size).
-        Returns ``x``."""
+        Returns ``x``.
+
+        ``src=None`` (``ringcomm.ANY_SOURCE``): the first message any other rank of the group
+        sent with ``tag``, taken whole from that rank; returns that rank (its group rank), as
+        does the Work's ``wait()`` with ``async_op=True``. The receives on one tag take their
+        messages in posting order, from a named rank or not, as in MPI; a rank that closed
+        drops out once nothing of its is left (``PeerLost`` when none is left); a timeout
+        names the ranks waited for (see :mod:`ringcomm.receives`).
+
+        >>> comm.recv(y, None, tag=3)      # rank 0 of 3, rank 2's message first: returns 2
+        >>> w = comm.recv(y, None, tag=3, async_op=True)
+        >>> w.wait()                       # 1: y holds rank 1's message
+        """
         flat = self._array(x, "x")
-        check_peer(src, "src", tag, self.rank, self.world_size, self.name)
-        return self._point_to_point(("from", src, tag), lambda link: p2p.recv(link, flat, src, tag),
+        if src is None:
+            check_tag(tag)
+            if self.world_size < 2:
+                raise ValueError(f"recv from any source on {self.name}: it has no other rank")
+        else:
+            check_peer(src, "src", tag, self.rank, self.world_size, self.name)
+        ticket = receives.Ticket(src, tag)
+        return self._point_to_point(ticket, lambda link: p2p.recv(link, flat, ticket, self._receives),
                                     x, x, async_op)
 
     # -- groups, statistics, closing -------------------------------------------------------
@@ -387,7 +406,8 @@ class Communicator:
 
     def _submit(self, body, sig, x, result, async_op, verb, route):
         """Run ``body(link)`` as one call: a collective (``route`` None) takes the next
-        sequence number, a point-to-point call the next number of its (direction, peer, tag).
+        sequence number, a send the next number of its ("to", peer, tag), a receive (``route``
+        a :class:`~ringcomm.receives.Ticket`) its number once it binds.
         Point-to-point calls are not guarded against other threads: they are numbered per
         route, so two threads' sends cannot be paired in the wrong order across ranks."""
         self._check_open()
@@ -423,15 +443,22 @@ class Communicator:
                 space, seq = 0, self._seq
                 self._seq += 1
                 what = f"{verb} #{seq} on {self.name}"
+            elif isinstance(route, receives.Ticket):
+                space, seq = 1, self._receives.post(route)
+                what = route.describe(self.name)
             else:
                 space, seq = 1, self._p2p_seq[route]
                 self._p2p_seq[route] += 1
-                direction, peer, tag = route
-                what = f"{'send to' if direction == 'to' else 'recv from'} rank {peer} (tag {tag}, #{seq}) on {self.name}"
+                _, peer, tag = route
+                what = f"send to rank {peer} (tag {tag}, #{seq}) on {self.name}"
             call = Call(self, body, space, seq, sig, x.dtype, what, device, result, ready)
             if route is None and not async_op and engine.hold():
                 return call, None  # a collective never defers: nothing for the thread to finish
             work = engine.submit(call.run, what, inline=not async_op)
+            if isinstance(route, receives.Ticket) and route.any:
+                # however it ends, a receive from any source that found no message must not
+                # hold back the receives posted behind it on its tag
+                work.add_done_callback(lambda _: self._receives.cancel(route))
             if staged:
                 work.joins(call.join)
         if work.inline:  # outside engine.lock: other threads may queue behind it meanwhile

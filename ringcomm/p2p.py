@@ -14,13 +14,19 @@ receiver. The
 receiver refuses data from a peer that ignores the window, so a busy or stopped receiver
 costs its senders a bounded amount of memory, and a flooding peer costs it none.
 
+A receive from any source (``src=None``) takes the message of whichever peer's arrived
+first, whole, and gives that peer its credit back; which number it takes, and how it is
+ordered with the other receives on its tag, is :mod:`ringcomm.receives`'.
+
 >>> comm.send(x, dst=1, tag=7)        # rank 0
 >>> comm.recv(y, src=0, tag=7)        # rank 1: y == x
+>>> comm.recv(y, None, tag=7)         # rank 1, from any rank: returns 0
 """
 from collections import deque
 
 from .algorithms.chunks import segments
 from .engine import Deferred
+from .transport.frame import Key
 
 
 def send(link, flat, dst, tag):
@@ -47,15 +53,57 @@ def send(link, flat, dst, tag):
     return None if fits and progress() else Deferred(progress)
 
 
-def recv(link, flat, src, tag):
-    """The body of a receive: completes as the segments arrive (a :class:`Deferred`)."""
+def recv(link, flat, ticket, receives):
+    """The body of a receive: completes as the segments arrive (a :class:`Deferred`). A
+    receive that waits to bind (see :mod:`ringcomm.receives`) first waits for its turn; one
+    from any source first finds its peer, and its result is that peer's group rank."""
     todo = deque(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
+    deferred = Deferred(None)
 
     def progress():
+        if link.seq is None:
+            if not _bound(link, ticket, receives):
+                return False
+            if ticket.any:
+                deferred.result = ticket.src
         while todo:
             j, sl = todo[0]
-            if link.recv(src, tag, j, wait=False, into=flat[sl]) is None:
+            if link.recv(ticket.src, ticket.tag, j, wait=False, into=flat[sl]) is None:
                 return False
             todo.popleft()
         return True
-    return Deferred(progress)
+    deferred.progress = progress
+    return deferred
+
+
+def _bound(link, ticket, receives):
+    """True once ``ticket`` is bound (``link`` then carries its number); until then, what
+    every wait checks: the deadline, this rank stopping, a lost peer. Peers that closed
+    their communicator drop out of an any-source receive's choice once nothing of theirs
+    is left to take; when every peer has, it raises PeerLost."""
+    transport = link.transport
+    if ticket.any:
+        peers = [p for p in range(link.size) if p != link.rank]
+        if not receives.bind_any(ticket, lambda number: _first_arrived(link, ticket.tag, peers, number)):
+            if all(transport.has_left(link.ranks[p]) for p in peers):  # nothing of theirs is here
+                transport.check(link.ranks[peers[0]], link.deadline, f"{link.what}: every rank "
+                                f"it may come from ({peers}) has closed")
+            transport.check(None, link.deadline, f"{link.what}: timed out waiting for a message "
+                            f"from any of ranks {peers}")
+            return False
+        link.what = f"{link.what} (took rank {ticket.src}'s #{ticket.seq})"
+    elif ticket.seq is None:
+        transport.check(link.ranks[ticket.src], link.deadline, f"{link.what}: timed out")
+        return False
+    else:
+        link.what = f"{link.what} (#{ticket.seq})"
+    link.seq = ticket.seq
+    return True
+
+
+def _first_arrived(link, tag, peers, number):
+    """Of group ranks ``peers``, the one whose next message on ``tag`` (``number(peer)``)
+    began to arrive first, or None if none has."""
+    candidates = [(link.ranks[p], Key(link.comm_id, 1, number(p), tag, 0)) for p in peers]
+    first = link.transport.mailbox.first_arrived(candidates)
+    return None if first is None else peers[first]

@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 from .backend import create
 from .process_group import ProcessGroupRingcomm
+from .work import inline_futures
 
 BACKEND = "ringcomm"
 
 dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
 
-__all__ = ["BACKEND", "ProcessGroupRingcomm", "create"]
+__all__ = ["BACKEND", "ProcessGroupRingcomm", "create", "inline_futures"]

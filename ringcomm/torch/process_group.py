@@ -40,7 +40,8 @@ def _reduce_op(reduce_op):
     """ringcomm's op name and the PREMUL_SUM factor (None for the others)."""
     kind = getattr(reduce_op, "op", reduce_op)
     if kind == ReduceOp.PREMUL_SUM:
-        factor = reduce_op.factor
+        # torch 2.13 shows the factor as an attribute; 2.11 and 2.12 only in the op's state
+        factor = reduce_op.factor if hasattr(reduce_op, "factor") else reduce_op.__getstate__()[1]
         return "sum", factor.item() if isinstance(factor, torch.Tensor) else float(factor)
     if kind not in _OPS:
         raise ValueError(f"ringcomm has no reduce op {kind}")
@@ -331,7 +332,11 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
             return TorchWork(self.comm.recv(loan.array, srcRank, tag, async_op=True), [loan], tensors)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("ringcomm receives from a named rank only: pass src to recv/irecv")
+        """``dist.recv(t)`` / ``dist.irecv(t)`` without ``src``: the first message any rank
+        of the group sent with ``tag``; the work's ``_source_rank()`` names its sender."""
+        loan = self._lend([_one(tensors, "recv")])
+        with _viewed_as([loan]):
+            return TorchWork(self.comm.recv(loan.array, None, tag, async_op=True), [loan], tensors)
 
     # -- lifetime -------------------------------------------------------------------------
     def shutdown(self):

@@ -13,11 +13,18 @@ Completers: one thread, and another whenever every completer is inside a callbac
 a completion waits, so a callback that waits for a later future (which only a completer
 can finish) never deadlocks. Spare completers leave after a few idle seconds.
 
+*Inline futures* (:func:`inline_futures`, or ``RINGCOMM_TORCH_INLINE_FUTURES=1``):
+``get_future()`` waits for the call and returns a completed future, so ``then`` callbacks
+run at once in the thread that asked, as CUDA futures do on NCCL. A comm hook whose
+callbacks start collectives (PowerSGD) then issues them in one order on every rank with any
+number of buckets; the price is that those collectives no longer overlap the backward pass.
+
 >>> work = pg.allreduce([t], opts)     # what torch.distributed.all_reduce(t, async_op=True) returns
 >>> work.get_future().then(callback)   # DDP's comm hooks
 >>> work.wait()                        # t holds the sum, or ringcomm's error is raised
 """
 import logging
+import os
 import queue
 import threading
 
@@ -74,6 +81,19 @@ class Completer:
 
 
 COMPLETER = Completer()
+_inline = os.environ.get("RINGCOMM_TORCH_INLINE_FUTURES", "0") not in ("", "0")
+
+
+def inline_futures(on=True):
+    """Whether ``get_future()`` waits for its call and runs callbacks in the asking thread
+    (see the module docstring); for every ringcomm group of this process. Returns the
+    setting it replaces.
+
+    >>> ringcomm.torch.inline_futures()      # before DDP with PowerSGD and several buckets
+    """
+    global _inline
+    before, _inline = _inline, bool(on)
+    return before
 
 
 class TorchWork(dist._Work):
@@ -149,6 +169,22 @@ class TorchWork(dist._Work):
     def result(self):
         return self._result
 
+    def _source_rank(self):
+        """The group rank a receive from any source (``pg.recv_anysource``) took its message
+        from, once it completed (it waits); ``dist.recv(t)`` without ``src`` returns it as a
+        global rank.
+
+        >>> work = dist.irecv(t)             # rank 0 of 3; rank 2 sent first
+        >>> work.wait(); work._source_rank()  # 2
+        """
+        self.wait()
+        source = None if self._work is None else self._work.wait()
+        if type(source) is not int:
+            raise RuntimeError("ringcomm: only a receive from any source has a source rank")
+        return source
+
+    source_rank = _source_rank
+
     def get_future(self):
         """The future of this call: its value is the output tensors; on failure, waiting
         for it raises RuntimeError carrying ringcomm's error (its class and its words).
@@ -165,6 +201,8 @@ class TorchWork(dist._Work):
             self._future = future = settled.then(self._outcome)
         if self._work is None:
             settled.set_result(None)
+        elif _inline:  # completed here and now: callbacks attached later run in this thread
+            self._complete(settled)
         else:
             self._work.add_done_callback(lambda _: COMPLETER.put(lambda: self._complete(settled)))
         return future

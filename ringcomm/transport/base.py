@@ -32,6 +32,7 @@ CREDIT = struct.Struct("<Q8x")  # a CREDIT's signature field: the bytes taken
 
 class Transport(ABC):
     lane_peers = frozenset()  # ranks reached through shared memory (see .zmq_transport)
+    _said_bye = frozenset()  # peers that said goodbye (a transport that carries BYEs fills it)
     # collectives a rank may run ahead of a peer (see .credit); None: no window (the unit
     # tests' in-process transport, whose tests number collectives freely)
     collective_window = None
@@ -285,8 +286,14 @@ class Transport(ABC):
         if comm_id is not None and self.revoked:
             self.check_revoked(comm_id)
 
+    def has_left(self, peer):
+        """True once ``peer`` said goodbye: it sends nothing more, and what it sent before
+        is in the mailbox already (a BYE is taken in behind its sender's data)."""
+        return peer in self._said_bye
+
     def check(self, peer, deadline, what):
-        """Raise if ``peer`` is gone or ``deadline`` passed (for a wait outside :meth:`recv`)."""
+        """Raise if ``peer`` (None: no one in particular) is gone or ``deadline`` passed (for
+        a wait outside :meth:`recv`)."""
         self._check_waiting(peer, None, what)
         if time.monotonic() > deadline:
             raise CommTimeout(f"{what}; rank {self.rank} gave up", rank=peer)

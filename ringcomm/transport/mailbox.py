@@ -70,6 +70,9 @@ class Mailbox:
         self._flooded = {}                    # (src, comm, tag) -> why its data was refused
         self._too_early = {}                  # (comm, seq) -> rank whose data for it was refused
         self._messages = {}
+        # the first segments of point-to-point messages here -> their order of arrival (a
+        # receive from any source takes the first: see first_arrived)
+        self._arrivals, self._arrived = {}, 0
         self._signatures = defaultdict(dict)  # (comm, seq) -> {src: sig}
         self._notices = {}                    # (comm, seq) -> AbortNotice of an open collective
         self._late = {}                       # comm -> AbortNotice of a collective ended here
@@ -137,6 +140,9 @@ class Mailbox:
                 return
             self._p2p_pending[flow] = pending + nbytes
         self._messages[ident] = (header.sig, payload)
+        if key.space == 1 and key.segment == 0:
+            self._arrivals[ident] = self._arrived
+            self._arrived += 1
         if key.space == 0:
             self._signatures[(key.comm_id, key.seq)].setdefault(header.src, header.sig)
 
@@ -176,17 +182,41 @@ class Mailbox:
                 for peer, theirs in signed.items():
                     if theirs != sig:
                         raise SignatureMismatch(peer, theirs, sig)
-        if key.space == 1 and self._flooded and (src, key.comm_id, key.step) in self._flooded:
-            raise CommError(f"rank {src} sent more than a well-behaved rank can "
-                            f"({self._flooded[(src, key.comm_id, key.step)]}); its data was refused")
+        if key.space == 1 and self._flooded:
+            self._refuse_flooded(src, key)
         item = self._messages.pop((src, *key), None)
         if item is None:
             return None
-        if key.space == 1 and self.window is not None:
-            self._p2p_pending[(src, key.comm_id, key.step)] -= memoryview(item[1]).nbytes
+        if key.space == 1:
+            if key.segment == 0:
+                self._arrivals.pop((src, *key), None)
+            if self.window is not None:
+                self._p2p_pending[(src, key.comm_id, key.step)] -= memoryview(item[1]).nbytes
         if item[0] != sig:
             raise SignatureMismatch(src, item[0], sig)
         return item[1]
+
+    def first_arrived(self, candidates):
+        """Of ``candidates`` (``(src, key)`` of point-to-point messages' first segments), the
+        index of the one that arrived first; None if none is here. Raises like :meth:`take`
+        for a candidate whose sender's data was refused.
+
+        >>> box.first_arrived([(1, Key(0, 1, 4, 7, 0)), (2, Key(0, 1, 0, 7, 0))])  # 1 if rank 2's came first
+        """
+        first = None
+        for i, (src, key) in enumerate(candidates):
+            if self._flooded:
+                self._refuse_flooded(src, key)
+            order = self._arrivals.get((src, *key))
+            if order is not None and (first is None or order < first[0]):
+                first = (order, i)
+        return None if first is None else first[1]
+
+    def _refuse_flooded(self, src, key):
+        flow = (src, key.comm_id, key.step)
+        if flow in self._flooded:
+            raise CommError(f"rank {src} sent more than a well-behaved rank can "
+                            f"({self._flooded[flow]}); its data was refused")
 
     def retired(self, comm_id):
         """The highest retired sequence number of ``comm_id`` (-1: none yet)."""

@@ -56,6 +56,18 @@ def test_torch_trainers_match_gloo(tmp_path, n):
             assert outcome["identical"], f"rank {rank} {variant}: ranks differ"
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_powersgd_with_several_buckets_matches_one_process(tmp_path, n):
+    """With inline futures, PowerSGD's callbacks and the autograd thread issue collectives in
+    one order on every rank, whatever the number of buckets (1, 2 and 4 here)."""
+    for rank, report in enumerate(launch(tmp_path, "powersgd_worker.py", n)):
+        assert list(report) == ["1", "2", "4"], (rank, report)
+        for buckets, outcome in report.items():
+            assert "error" not in outcome, (rank, buckets, outcome["error"][:1500])
+            assert outcome["buckets_seen"] == int(buckets), (rank, buckets, outcome)
+            assert outcome["relative"] < 1e-5 and outcome["identical"], (rank, buckets, outcome)
+
+
 def test_hooks_in_crossed_order_raise_on_every_rank(tmp_path):
     for rank, report in enumerate(launch(tmp_path, "training_worker.py", 2, "crossed_hooks")):
         assert "CollectiveMismatch" in report["crossed_hooks"], (rank, report)
