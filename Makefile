@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 4
 
-.PHONY: run test install install-test install-bench bench gpu-check gpu-wheels lint clean torch-version
+.PHONY: run test install install-test install-bench bench gpu-check gpu-wheels lint clean torch-version torch-suite
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +112,14 @@ torch-version:
 	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)" | tee $(BENCH_OUT)/torch-$(TORCH_VERSION).txt
 	$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/torch_backend 2>&1 | tee -a $(BENCH_OUT)/torch-$(TORCH_VERSION).txt; \
 	  exit $${PIPESTATUS[0]}
+
+# PyTorch's own backend test suite (torch.testing._internal.distributed.distributed_test) on
+# Gloo and ringcomm at N=2 and 3: about half an hour per backend and N on 2 cores, so not part
+# of make test. K="expr" selects tests. Output: bench/out/torch_suite (JSON, logs, the table).
+TORCH_SUITE_OUT ?= bench/out/torch_suite
+torch-suite: $(VENV)/.installed-test
+	$(PY) -m pip install --quiet expecttest
+	$(PY) bench/torch_suite.py --backends gloo,ringcomm --world-sizes 2,3 --out $(TORCH_SUITE_OUT) $(if $(K),-k "$(K)")
 
 lint: install-test
 	$(PY) -m pip install --quiet ruff

@@ -109,6 +109,10 @@ class Call:
                 self._abort(transport, error)
             _noted(transport, error)
             raise error from None
+        except CommTimeout as exc:
+            error = exc.after(comm.timeout)
+            self._abort(transport, error)
+            raise error from None
         except Exception as exc:
             self._abort(transport, exc)
             raise

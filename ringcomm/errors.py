@@ -40,6 +40,11 @@ class CommTimeout(CommError, TimeoutError):
             raise ValueError(f"unknown timeout cause {cause!r}; expected one of {TIMEOUT_CAUSES}")
         self.rank, self.cause = rank, cause
 
+    def after(self, seconds):
+        """This timeout, its words ending with the deadline it passed ("... (the timeout is
+        2 s)": the word torch's users and tests search an error for)."""
+        return CommTimeout(f"{self} (the timeout is {seconds:g} s)", self.rank, self.cause)
+
 
 class PeerLost(CommError):
     """A peer process died, disconnected or closed its communicator; ``.rank`` names it, or,

@@ -286,22 +286,29 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         """A barrier that names the ranks that did not come: every rank reports to group rank
         0, which waits up to ``timeout`` for them and then sends each rank that came its
         verdict. Raises RuntimeError on every rank that came, naming the missing ranks (all
-        with ``wait_all_ranks``, else the first). Each call has a tag of its own (ranks count
-        their calls alike), so a rank late for one failed call meets only that call."""
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or self.comm.timeout)
+        with ``wait_all_ranks``, else the first), in Gloo's words (on rank 0 "Rank 0 timed out
+        in monitoredBarrier after 2 s on world: Rank 1 failed to pass monitoredBarrier"; elsewhere "Rank 2 successfully reached monitoredBarrier, but
+        received errors while waiting for send/recv from rank 0: ..."). Each call has a tag
+        of its own (ranks count their calls alike), so a rank late for one failed call meets
+        only that call. ``torch.distributed.monitored_barrier`` reaches it (see
+        ringcomm.torch)."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else \
+            (self.comm.timeout if timeout is None else float(timeout))
         self._monitored += 1
         tag = MONITOR_TAG + self._monitored % MONITOR_TAGS
         verdict = np.full(1, -1, np.int64)  # -1: everyone came; else the first missing rank
-        if self.comm.rank != 0:
+        me = self.comm.rank
+        if me != 0:
+            came = (f"Rank {me} successfully reached monitoredBarrier, but received errors while "
+                    f"waiting for send/recv from rank 0 of {self.comm.name}")
             self.comm.send(verdict, 0, tag)
             try:  # rank 0 may wait `seconds` for another rank before it answers
                 self.comm.recv(verdict, 0, tag, async_op=True).wait(2 * seconds + 1)
-            except CommError:  # timed out, or rank 0 left
-                raise RuntimeError(f"monitored_barrier: rank 0 of {self.comm.name} did not release "
-                                   f"rank {self.comm.rank} within {2 * seconds + 1:g} s") from None
+            except CommError as exc:  # timed out, or rank 0 left
+                raise RuntimeError(f"{came}: no verdict within {2 * seconds + 1:g} s ({exc})") from None
             if verdict[0] >= 0:
-                raise RuntimeError(f"monitored_barrier: rank {verdict[0]} of {self.comm.name} did not "
-                                   f"reach the barrier within {seconds:g} s (rank 0 says)")
+                raise RuntimeError(f"{came}: rank {verdict[0]} failed to pass monitoredBarrier "
+                                   f"within {seconds:g} s (rank 0 says)")
             return None
         waits = {r: self.comm.recv(np.empty(1, np.int64), r, tag, async_op=True)
                  for r in range(1, self.comm.world_size)}
@@ -316,9 +323,10 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         for r in came:
             self.comm.send(verdict, r, tag)
         if missing:
-            which = f"ranks {missing}" if wait_all_ranks else f"rank {missing[0]}"
-            raise RuntimeError(f"monitored_barrier: {which} of {self.comm.name} did not reach the "
-                               f"barrier within {seconds:g} s")
+            which = (f"Ranks {', '.join(map(str, missing))}" if wait_all_ranks and len(missing) > 1
+                     else f"Rank {missing[0]}")
+            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {seconds:g} s on "
+                               f"{self.comm.name}: {which} failed to pass monitoredBarrier")
         return None
 
     def send(self, tensors, dstRank, tag=0):
@@ -361,6 +369,27 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         """One work over several started in order (ringcomm completes them in order)."""
         last = works[-1] if works else TorchWork(None, [], result)
         return TorchWork(None if last._work is None else _All(works), [], result)
+
+
+_torch_monitored_barrier = dist.distributed_c10d.monitored_barrier
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    """``torch.distributed.monitored_barrier``, which takes Gloo groups only, made to take
+    ringcomm's too (their :meth:`ProcessGroupRingcomm.monitored_barrier`); any other group
+    goes to torch's own function. ``import ringcomm.torch`` installs it.
+
+    >>> dist.monitored_barrier(timeout=timedelta(seconds=5))   # every rank of the default group
+    """
+    c10d = dist.distributed_c10d
+    if c10d._rank_not_in_group(group):  # as torch's: a rank outside the group does nothing
+        return None
+    pg = c10d._get_default_group() if group is None else group
+    if not isinstance(pg, ProcessGroupRingcomm):
+        return _torch_monitored_barrier(group, timeout, wait_all_ranks)
+    if timeout is not None and not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=timeout)
+    return pg.monitored_barrier(timeout, wait_all_ranks)
 
 
 class _All:
