@@ -17,7 +17,10 @@ spawns WORLD_SIZE rank processes (multiprocessing *spawn*); a rank imports
 bench/torch_suite_plugin.py to find its target, and that import registers the plugin backends
 (``--plugins``: ``import ringcomm.torch``) and adds them to the suite's feature tables
 (``--features``: ``DistTestCases.backend_feature["plugin"]``, ``["ddp"]``, ``["subgroup"]``)
-before the suite module is imported, in every rank as in pytest's own process.
+before the suite module is imported, in every rank as in pytest's own process. A backend
+``REAL-as-NAME`` (``ringcomm-as-gloo``) runs the suite as ``BACKEND=NAME`` (every skip and
+branch the suite keeps for Gloo by name is taken) while every group torch.distributed creates
+for NAME is a REAL group (see bench/torch_suite_plugin.py); its results go under that name.
 
 Per-test outcomes: this file is also a pytest plugin (``-p torch_suite``) that appends one
 JSON line per test phase to an events file as it happens, so a crash loses nothing already
@@ -253,7 +256,8 @@ def run_env(args, backend, world_size, temp_dir, events):
     for d in ("barrier", "test_dir"):
         os.makedirs(os.path.join(temp_dir, d), exist_ok=True)
     env.update({
-        "BACKEND": backend,
+        "BACKEND": backend.rpartition("-as-")[2],
+        "TORCH_SUITE_AS": backend.rpartition("-as-")[0],
         "WORLD_SIZE": str(world_size),
         "TEMP_DIR": temp_dir,
         "INIT_METHOD": (f"file://{temp_dir}/shared_init_file" if args.init_method == "file" else "env://"),
@@ -451,16 +455,16 @@ def differences(runs, reference):
 def print_report(report, reference):
     runs = report["runs"]
     print("\nPyTorch distributed_test suite (torch %s)" % report["torch"])
-    print(f"{'backend':10s} {'N':>2s} " + " ".join(f"{o:>7s}" for o in OUTCOMES) + f" {'total':>6s} {'wall':>8s}")
+    print(f"{'backend':16s} {'N':>2s} " + " ".join(f"{o:>7s}" for o in OUTCOMES) + f" {'total':>6s} {'wall':>8s}")
     for backend, per in runs.items():
         for ws in sorted(per, key=int):
             c = per[ws]["counts"]
-            print(f"{backend:10s} {ws:>2s} " + " ".join(f"{c[o]:7d}" for o in OUTCOMES)
+            print(f"{backend:16s} {ws:>2s} " + " ".join(f"{c[o]:7d}" for o in OUTCOMES)
                   + f" {c['total']:6d} {fmt_elapsed(per[ws]['wall_s']):>8s}")
     for ws, rows in report["differences"].items():
         print(f"\nN={ws}: {len(rows)} tests pass on {reference} but not on the others")
         for row in rows:
-            print(f"  {row['backend']:9s} {row['outcome']:7s} {row['test']}: {row['message'][:200]}")
+            print(f"  {row['backend']:16s} {row['outcome']:7s} {row['test']}: {row['message'][:200]}")
 
 
 def main(argv=None):

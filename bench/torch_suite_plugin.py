@@ -13,10 +13,21 @@ again: the plugin backend is registered (``import ringcomm.torch``) and the suit
 tables are patched in each rank as in pytest's own process, and always before
 ``distributed_test`` is imported, whose decorators read those tables (and ``BACKEND``,
 ``WORLD_SIZE``) once, when the module is imported.
+
+``TORCH_SUITE_AS=ringcomm`` with ``BACKEND=gloo`` (the driver's backend ``ringcomm-as-gloo``):
+the suite runs as for Gloo, taking every skip and branch it keeps for Gloo by name, but each
+group torch.distributed creates for "gloo" is a ringcomm group (:func:`run_as`). Both
+``init_process_group(backend="gloo")`` and ``new_group`` (``backend="gloo"`` or the default
+group's) create their groups in ``distributed_c10d._new_process_group_helper``, which records
+the backend it was given; so ``dist.get_backend(group)`` says "ringcomm", and
+``dist.monitored_barrier`` is ringcomm's (``import ringcomm.torch`` installs it), which sends
+ringcomm groups to their own method before torch's "only implemented for GLOO" check.
 """
+import functools
 import importlib
 import os
 
+import torch.distributed as dist
 from torch.testing._internal.common_distributed import DistTestCases
 
 # The suite's features a plugin backend claims (TORCH_SUITE_FEATURES overrides): "plugin"
@@ -48,7 +59,28 @@ def register(backend):
     return True
 
 
-register(os.environ["BACKEND"])
+def run_as(name, real):
+    """Make every group torch.distributed creates for backend ``name`` (alone, or a device's
+    entry of "cpu:gloo,cuda:nccl") a group of backend ``real`` instead."""
+    c10d = dist.distributed_c10d
+    helper = c10d._new_process_group_helper
+
+    def swap(spec):
+        parts = [part.rpartition(":") for part in str(spec).split(",")]
+        return dist.Backend(",".join(dev + sep + (real if b == name else b) for dev, sep, b in parts))
+
+    @functools.wraps(helper)
+    def _new_process_group_helper(group_size, group_rank, global_ranks, backend, *args, **kwargs):
+        return helper(group_size, group_rank, global_ranks, swap(backend), *args, **kwargs)
+
+    c10d._new_process_group_helper = _new_process_group_helper
+
+
+if os.environ.get("TORCH_SUITE_AS"):
+    register(os.environ["TORCH_SUITE_AS"])
+    run_as(os.environ["BACKEND"], os.environ["TORCH_SUITE_AS"])
+else:
+    register(os.environ["BACKEND"])
 
 # Only now: the suite's skip decorators are evaluated as it is imported.
 from torch.testing._internal.distributed import distributed_test as _suite  # noqa: E402

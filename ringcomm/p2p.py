@@ -85,7 +85,8 @@ def _bound(link, ticket, receives):
     if ticket.any:
         peers = [p for p in range(link.size) if p != link.rank]
         if not receives.bind_any(ticket, lambda number: _first_arrived(link, ticket.tag, peers, number)):
-            if all(transport.has_left(link.ranks[p]) for p in peers):  # nothing of theirs is here
+            # nothing of theirs is here for this receive (one behind it waits its turn)
+            if receives.at_head(ticket) and all(transport.has_left(link.ranks[p]) for p in peers):
                 transport.check(link.ranks[peers[0]], link.deadline, f"{link.what}: every rank "
                                 f"it may come from ({peers}) has closed")
             transport.check(None, link.deadline, f"{link.what}: timed out waiting for a message "

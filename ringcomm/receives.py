@@ -86,6 +86,13 @@ class Receives:
             self._settle(ticket.tag)
         return True
 
+    def at_head(self, ticket):
+        """True if ``ticket`` is the oldest unbound receive on its tag (the next to take a
+        message there)."""
+        with self._lock:
+            waiting = self._unbound.get(ticket.tag)
+            return bool(waiting) and waiting[0] is ticket
+
     def cancel(self, ticket):
         """Withdraw any-source ``ticket`` if it never bound (its receive ended without a
         message): it takes no number, and the receives behind it may bind."""

@@ -16,7 +16,8 @@ one or more tensors, with ``finish()`` to run once the collective completed:
 
 A loan's ``view`` ("bfloat16", "complex" or "") is what its wire elements stand for; the
 group signs it with each call, so ranks whose tensors differ in dtype but not on the wire
-(bfloat16 against int16, complex64[2] against float32[4]) raise ``CollectiveMismatch``.
+(bfloat16 against int16 or float32; a complex tensor that reaches the backend as one against
+a real one) raise ``CollectiveMismatch``.
 
 >>> loan = lend([t], reducing=True)     # t: a contiguous float32 CPU tensor
 >>> comm.all_reduce(loan.array); loan.finish()   # t holds the sum; no copy was made
@@ -43,9 +44,11 @@ def check_op(tensors, op, factor=None):
 
 def _view_of(tensor):
     """What ``tensor``'s wire elements stand for (ringcomm.signature.VIEWS). torch.distributed
-    hands most verbs a complex tensor as ``torch.view_as_real(t)``: a real view whose base is
-    complex, which is how it is still told from a real tensor."""
-    if tensor.is_complex() or (tensor._base is not None and tensor._base.is_complex()):
+    hands most verbs (all-reduce, broadcast, all-gather, send/recv, ...) a complex tensor as
+    ``torch.view_as_real(t)``, a real tensor: there, as on Gloo and NCCL, complex and real
+    cannot be told apart (a view's storage root says nothing reliable: ``z.real`` is a view
+    of complex memory, ``view_as_complex`` makes complex views of real memory)."""
+    if tensor.is_complex():
         return "complex"
     return "bfloat16" if tensor.dtype is torch.bfloat16 else ""
 

@@ -14,10 +14,16 @@ a completion waits, so a callback that waits for a later future (which only a co
 can finish) never deadlocks. Spare completers leave after a few idle seconds.
 
 *Inline futures* (:func:`inline_futures`, or ``RINGCOMM_TORCH_INLINE_FUTURES=1``):
-``get_future()`` waits for the call and returns a completed future, so ``then`` callbacks
-run at once in the thread that asked, as CUDA futures do on NCCL. A comm hook whose
-callbacks start collectives (PowerSGD) then issues them in one order on every rank with any
-number of buckets; the price is that those collectives no longer overlap the backward pass.
+``get_future()`` blocks until the call finished and returns a completed future, so ``then``
+callbacks run at once in the thread that asked (the order NCCL gets by completing CUDA
+futures at enqueue, without blocking). A comm hook whose callbacks start collectives
+(PowerSGD) then issues them in one order on every rank with any number of buckets; the
+price is that those collectives no longer overlap the backward pass, and that a receive's
+``get_future()`` waits for its message.
+
+A future's failure is a C++ error (see :meth:`TorchWork.get_future`): waiting for it raises
+``RuntimeError`` carrying ringcomm's error class and words; ``wait()`` raises ringcomm's
+error itself.
 
 >>> work = pg.allreduce([t], opts)     # what torch.distributed.all_reduce(t, async_op=True) returns
 >>> work.get_future().then(callback)   # DDP's comm hooks
@@ -208,10 +214,14 @@ class TorchWork(dist._Work):
         return future
 
     def _complete(self, settled):
-        self._settle()
-        settled.set_result(None)
+        try:
+            self._settle()
+        finally:  # whatever happened, the future completes (its callbacks see the outcome)
+            settled.set_result(None)
 
     def _outcome(self, _settled):
         if self._error is not None:
             raise self._error
+        if not self._finished:  # the wait for it was interrupted: its outputs are not ready
+            raise RuntimeError("ringcomm: the wait for this call was interrupted before it completed")
         return self._result

@@ -251,6 +251,8 @@ class ZmqTransport(SameHost, Transport):
                 self._in_flight.popleft()
                 continue
             self._check_peers(what)
+            if self.stopping is not None:
+                raise CommError(f"{what}: {self.stopping}")
             if time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: rank {self.rank} could not hand its data to the "
                                   f"network before the deadline")
@@ -447,7 +449,7 @@ class ZmqTransport(SameHost, Transport):
             except zmq.Again:  # that peer's connection is gone: nobody to say goodbye to
                 pass
         pending = lambda: [p for p in self._push if p not in self._said_bye and p not in self._gone_since]  # noqa: E731
-        while pending() and time.monotonic() < deadline:
+        while pending() and time.monotonic() < deadline and self.stopping is None:
             self._pump(0.05)
         linger = 500 if pending() else 0
         for sock in self._push.values():

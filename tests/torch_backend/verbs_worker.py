@@ -306,13 +306,14 @@ def work_and_errors():
     for case, verb, mine, others in [
             ("bfloat16 broadcast against int16 raises CollectiveMismatch", dist.broadcast,
              lambda: torch.ones(4, dtype=torch.bfloat16), lambda: torch.ones(4, dtype=torch.int16)),
-            ("complex64[2] all_reduce against float32[4] raises CollectiveMismatch", dist.all_reduce,
+            # reduce hands complex tensors to the backend as they are (all_reduce does not)
+            ("complex64[2] reduce against float32[4] raises CollectiveMismatch", dist.reduce,
              lambda: torch.ones(2, dtype=torch.complex64), lambda: torch.ones(4)),
             ("bfloat16 all_reduce against float32 raises CollectiveMismatch", dist.all_reduce,
              lambda: torch.ones(4, dtype=torch.bfloat16), lambda: torch.ones(4))]:
         t = mine() if RANK == 0 else others()
         try:
-            (verb(t, 0, async_op=True) if verb is dist.broadcast else verb(t, async_op=True)).wait()
+            (verb(t, 0, async_op=True) if verb in (dist.broadcast, dist.reduce) else verb(t, async_op=True)).wait()
             REPORT.append([case, "no error"])
         except CollectiveMismatch as exc:
             REPORT.append([case, None if "bfloat16 as" in str(exc) or "complex as" in str(exc) else str(exc)])
