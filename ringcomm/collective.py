@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from . import signature
 from .engine import Deferred
-from .errors import CollectiveMismatch, CommTimeout, Revoked, SignatureMismatch
+from .errors import CollectiveMismatch, CommError, CommTimeout, PeerLost, Revoked, SignatureMismatch
 from .link import Link
 from .transport.mailbox import AbortNotice
 
@@ -109,6 +109,16 @@ class Call:
                 self._abort(transport, error)
             _noted(transport, error)
             raise error from None
+        except PeerLost as exc:
+            # a peer that aborted this collective and closed: its ABORT may travel another
+            # path than its goodbye and be read after it; it, not the goodbye, says why
+            notice = self._notice(transport) if space == 0 else None
+            if notice is None:
+                self._abort(transport, exc)
+                raise
+            error = error_for(notice, seq)
+            _noted(transport, error)
+            raise error from None
         except CommTimeout as exc:
             error = exc.after(comm.timeout)
             self._abort(transport, error)
@@ -166,6 +176,16 @@ class Call:
             return done
         outer.progress = finishing
         return outer
+
+    def _notice(self, transport):
+        """Another rank's ABORT of this collective, if one is here by now (else None)."""
+        try:
+            transport.raise_news(self.comm.comm_id, self.seq)
+        except AbortNotice as notice:
+            return notice
+        except CommError:  # the transport itself failed: the original error stands
+            pass
+        return None
 
     def _abort(self, transport, exc):
         _noted(transport, exc)
