@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -169,30 +170,30 @@ def short(nodeid):
     return nodeid.rsplit("::", 1)[-1]
 
 
+def error_lines(text):
+    """The lines pytest marks as the error (``E   ...``), their common indentation removed."""
+    return textwrap.dedent("\n".join(line[1:] for line in text.splitlines()
+                                     if line == "E" or line.startswith("E "))).splitlines()
+
+
 def headline(text):
     """A failure's first line: the exception a rank raised when the suite reports one
     ("rank N: ..."), else the first line pytest marks as the error, else the first line."""
-    lines = [line[4:] if line.startswith("E   ") else ("" if line == "E" else line)
-             for line in text.splitlines()]
-    body = "\n".join(lines)
-    m = re.search(r"Process (\d+) exited with error code \d+ and exception:\n", body)
+    lines = error_lines(text) or text.splitlines()
+    m = re.search(r"Process (\d+) exited with error code \d+ and exception:\n", "\n".join(lines))
     if m:
         in_traceback = False
-        for line in body[m.end():].splitlines():
+        for line in "\n".join(lines)[m.end():].splitlines():
             if line.startswith("Traceback"):
                 in_traceback = True
             elif in_traceback and line.strip() and not line.startswith(" "):
                 return f"rank {m.group(1)}: {line.strip()}"
-    for line in text.splitlines():
-        if line.startswith("E   ") and line[4:].strip():
-            return line[4:].strip()
     return next((line.strip() for line in lines if line.strip()), "")
 
 
 def detail(text):
     """What a failure says (pytest's E lines, else its tail), at most DETAIL_CHARS."""
-    lines = [line[4:] for line in text.splitlines() if line.startswith("E   ")]
-    body = "\n".join(lines) if lines else text
+    body = "\n".join(error_lines(text)) or text
     return body if len(body) <= DETAIL_CHARS else body[:DETAIL_CHARS // 2] + "\n...\n" + body[-DETAIL_CHARS // 2:]
 
 

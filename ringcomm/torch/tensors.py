@@ -54,6 +54,9 @@ def _view_of(tensor):
 
 
 def _device(tensors, gpu):
+    for t in tensors:
+        if t.layout != torch.strided:
+            raise ValueError(f"ringcomm: {t.layout} tensors are not supported (dense tensors only)")
     cuda = {t.is_cuda for t in tensors}
     if len(cuda) > 1:
         raise ValueError("ringcomm: CPU and CUDA tensors mixed in one collective")

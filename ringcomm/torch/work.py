@@ -29,10 +29,12 @@ error itself.
 >>> work.get_future().then(callback)   # DDP's comm hooks
 >>> work.wait()                        # t holds the sum, or ringcomm's error is raised
 """
+import atexit
 import logging
 import os
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -86,7 +88,21 @@ class Completer:
                     self._idle += 1
 
 
+    def settle(self, timeout):
+        """Wait up to ``timeout`` seconds until no completer runs or awaits a completion."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queued and self._idle == self._threads:
+                    return
+            time.sleep(0.005)
+
+
 COMPLETER = Completer()
+# A daemon thread still inside torch's C++ (a future's callbacks) when the interpreter
+# finalizes is unwound through frames that may not be, and the process aborts ("terminate
+# called without an active exception"): at exit, let the completers finish first.
+atexit.register(COMPLETER.settle, 5.0)
 _inline = os.environ.get("RINGCOMM_TORCH_INLINE_FUTURES", "0") not in ("", "0")
 
 

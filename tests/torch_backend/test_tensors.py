@@ -79,6 +79,9 @@ def test_refusals():
 
     from ringcomm.torch.tensors import _device
     with pytest.raises(ValueError, match="runs on the CPU"):
-        _device([SimpleNamespace(is_cuda=True)], gpu=False)
+        _device([SimpleNamespace(is_cuda=True, layout=torch.strided)], gpu=False)
     with pytest.raises(ValueError, match="mixed"):
-        _device([SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)], gpu=True)
+        _device([SimpleNamespace(is_cuda=True, layout=torch.strided),
+                 SimpleNamespace(is_cuda=False, layout=torch.strided)], gpu=True)
+    with pytest.raises(ValueError, match="sparse_coo tensors are not supported"):
+        lend([torch.eye(3).to_sparse()], reducing=True)
