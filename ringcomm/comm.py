@@ -25,6 +25,8 @@ Costs below are per rank for n ranks and S bytes, with the ring.
 >>> x = np.full(3, comm.rank + 1.0)
 >>> comm.all_reduce(x)            # rank 0 and rank 1 of 2: x == [3., 3., 3.]
 """
+import math
+import numbers
 from collections import defaultdict
 
 import numpy as np
@@ -313,6 +315,9 @@ class Communicator:
         to finish; then every one left fails with :class:`CommError` and the close ends
         within about a second more (peers still waiting for this rank then fail, naming
         it). Without it, they finish or fail within their deadline first."""
+        if grace is not None and (isinstance(grace, bool) or not isinstance(grace, numbers.Real)
+                                  or not 0 <= grace < math.inf):
+            raise ValueError(f"close(grace=...) takes a finite number of seconds >= 0, got {grace!r}")
         if self._closed:
             return
         if self._engine.forked:  # a child's copy: nothing of it is this process's to close

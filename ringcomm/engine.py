@@ -211,6 +211,7 @@ class Engine:
         self.transport = None
         self.closed = False
         self._abandoned = None  # why work still queued fails instead of running (see close)
+        self._draining = False  # closing with a grace: deferred work may finish in it
         self.forked = False  # this process is a child forked from the engine's owner
         _engines.add(self)
         ready = Work(lambda _: make_transport(), "start-up")
@@ -232,8 +233,11 @@ class Engine:
         if ready.exception() is not None:
             return
         deferred = []
+        closing = False  # close(grace=...) came while deferred work was in progress
         try:
             while True:
+                if closing and not deferred:
+                    break
                 if deferred:
                     try:
                         work = self._queue.get_nowait()
@@ -248,7 +252,11 @@ class Engine:
                         self._idle_pump()
                         continue
                 if work is None:
-                    break
+                    # a close with a grace lets deferred work (an async receive, a send
+                    # short of window) finish in it; a plain close fails it now
+                    if not (deferred and self._draining):
+                        break
+                    closing, work = True, _IDLE
                 with self._busy:
                     if self._abandoned is not None:  # closing without waiting: fail, don't run
                         for w in [*deferred, *([] if work is _IDLE else [work])]:
@@ -369,6 +377,7 @@ class Engine:
             if self.closed:
                 return
             self.closed = True
+            self._draining = grace is not None
             self._queue.put(None)
         if grace is not None:
             self._thread.join(grace)

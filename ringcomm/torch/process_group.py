@@ -294,6 +294,9 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         ringcomm.torch)."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else \
             (self.comm.timeout if timeout is None else float(timeout))
+        if not 0 <= seconds < float("inf"):  # refused on every rank alike, before any message
+            raise ValueError(f"monitored_barrier: the timeout must be >= 0 s, got {timeout!r}")
+        seconds = min(seconds, self.comm.timeout)  # no wait of the group outlasts its timeout
         self._monitored += 1
         tag = MONITOR_TAG + self._monitored % MONITOR_TAGS
         verdict = np.full(1, -1, np.int64)  # -1: everyone came; else the first missing rank
@@ -305,7 +308,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
             try:  # rank 0 may wait `seconds` for another rank before it answers
                 self.comm.recv(verdict, 0, tag, async_op=True).wait(2 * seconds + 1)
             except CommError as exc:  # timed out, or rank 0 left
-                raise RuntimeError(f"{came}: no verdict within {2 * seconds + 1:g} s ({exc})") from None
+                raise RuntimeError(f"{came}: no verdict ({exc})") from None
             if verdict[0] >= 0:
                 raise RuntimeError(f"{came}: rank {verdict[0]} failed to pass monitoredBarrier "
                                    f"within {seconds:g} s (rank 0 says)")
@@ -337,7 +340,9 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
     def recv(self, tensors, srcRank, tag=0):
         loan = self._lend([_one(tensors, "recv")])
         with _viewed_as([loan]):
-            return TorchWork(self.comm.recv(loan.array, srcRank, tag, async_op=True), [loan], tensors)
+            work = TorchWork(self.comm.recv(loan.array, srcRank, tag, async_op=True), [loan], tensors)
+        work.source = srcRank  # what _source_rank() reports, as Gloo's named receives do
+        return work
 
     def recv_anysource(self, tensors, tag=0):
         """``dist.recv(t)`` / ``dist.irecv(t)`` without ``src``: the first message any rank

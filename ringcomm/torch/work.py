@@ -129,6 +129,7 @@ class TorchWork(dist._Work):
         self._finished = work is None
         self._error = None
         self._future = None
+        self.source = None  # a named receive's source (see _source_rank)
         if work is None:
             self._finish_loans()
 
@@ -192,17 +193,20 @@ class TorchWork(dist._Work):
         return self._result
 
     def _source_rank(self):
-        """The group rank a receive from any source (``pg.recv_anysource``) took its message
-        from, once it completed (it waits); ``dist.recv(t)`` without ``src`` returns it as a
+        """The group rank a receive took its message from, once it completed (it waits): the
+        rank a named receive named, or the one a receive from any source
+        (``pg.recv_anysource``) took from; ``dist.recv(t)`` without ``src`` returns it as a
         global rank.
 
         >>> work = dist.irecv(t)             # rank 0 of 3; rank 2 sent first
         >>> work.wait(); work._source_rank()  # 2
         """
         self.wait()
+        if self.source is not None:  # a named receive: the rank it named
+            return self.source
         source = None if self._work is None else self._work.wait()
         if type(source) is not int:
-            raise RuntimeError("ringcomm: only a receive from any source has a source rank")
+            raise RuntimeError("ringcomm: only a receive has a source rank")
         return source
 
     source_rank = _source_rank
