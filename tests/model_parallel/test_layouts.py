@@ -69,18 +69,20 @@ def test_tensor_parallel_traffic_matches_formula(pools):
 
 
 def test_pipeline_activation_memory_1f1b_vs_gpipe(pools):
-    """Peak step memory as traced from the allocator: GPipe holds all M micro-batches'
-    activations, 1F1B at most P − p on stage p (plus one micro-batch's transients: weight
-    gradients, receive buffers). Narrow layers and long micro-batches, so that activations
-    dominate what a step allocates."""
+    """GPipe holds all M micro-batches' activations, 1F1B at most P − p on stage p, in what
+    each schedule saves. (The step's peak as traced from the allocator shows the same on an
+    idle machine, bench/pipeline.py measures it; on a busy one it also holds the boundary
+    tensors a neighbour sent ahead, which the schedule does not decide, so it is not tested.)"""
     m, wide = 8, dict(layers=(12, 64, 64, 64, 5), batch_size=4096, samples=4096, steps=2)
     gpipe = pools(4).run(model_parallel, pp=4, micro_batches=m, schedule="gpipe", **wide)[0]
     onef = pools(4).run(model_parallel, pp=4, micro_batches=m, schedule="1f1b", **wide)[0]
     for g, o in zip(gpipe["per_rank"], onef["per_rank"]):
-        per_micro = g["peak_activation_bytes"] / m
-        assert o["peak_activation_bytes"] <= (4 - g["p"] + 1.5) * per_micro
+        saved_per_micro = g["saved_activation_bytes"] / m
+        assert saved_per_micro > 0, g
+        assert o["saved_activation_bytes"] <= (4 - g["p"]) * saved_per_micro + 1, (g["p"], o, g)
         assert g["bubble_formula"] == pytest.approx(3 / (m + 3))
-    assert onef["per_rank"][3]["peak_activation_bytes"] < 0.4 * gpipe["per_rank"][3]["peak_activation_bytes"]
+    last = onef["per_rank"][3]["saved_activation_bytes"]
+    assert last <= 0.125 * gpipe["per_rank"][3]["saved_activation_bytes"] + 1  # one micro-batch of 8
     assert gpipe["param_sha256"] == onef["param_sha256"]
 
 
