@@ -318,6 +318,7 @@ class Communicator:
         if grace is not None and (isinstance(grace, bool) or not isinstance(grace, numbers.Real)
                                   or not 0 <= grace < math.inf):
             raise ValueError(f"close(grace=...) takes a finite number of seconds >= 0, got {grace!r}")
+        grace = None if grace is None else float(grace)  # numpy scalars: Thread.join takes floats
         if self._closed:
             return
         if self._engine.forked:  # a child's copy: nothing of it is this process's to close

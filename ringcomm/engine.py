@@ -380,9 +380,11 @@ class Engine:
             self._draining = grace is not None
             self._queue.put(None)
         if grace is not None:
-            self._thread.join(grace)
-            if self._thread.is_alive():
-                self._abandoned = "the communicator was closed while this call was in flight"
-                self.transport.stop(self._abandoned)
-                timeout = max(0.0, timeout - grace)
+            try:
+                self._thread.join(grace)
+            finally:  # interrupted too: what is left must not wait for its own deadline
+                if self._thread.is_alive():
+                    self._abandoned = "the communicator was closed while this call was in flight"
+                    self.transport.stop(self._abandoned)
+            timeout = max(0.0, timeout - grace)
         self._thread.join(timeout)

@@ -295,8 +295,11 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else \
             (self.comm.timeout if timeout is None else float(timeout))
         if not 0 <= seconds < float("inf"):  # refused on every rank alike, before any message
-            raise ValueError(f"monitored_barrier: the timeout must be >= 0 s, got {timeout!r}")
-        seconds = min(seconds, self.comm.timeout)  # no wait of the group outlasts its timeout
+            raise ValueError(f"monitored_barrier: the timeout must be a finite number of seconds "
+                             f">= 0, got {timeout!r}")
+        # no wait of the group outlasts its timeout, and the other ranks' wait for the verdict
+        # (their receive's deadline is the group's timeout) must outlast rank 0's
+        seconds = min(seconds, 0.8 * self.comm.timeout)
         self._monitored += 1
         tag = MONITOR_TAG + self._monitored % MONITOR_TAGS
         verdict = np.full(1, -1, np.int64)  # -1: everyone came; else the first missing rank

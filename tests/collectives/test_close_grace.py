@@ -30,7 +30,7 @@ JOB = textwrap.dedent("""
             works = [comm.recv(a, None, 4, async_op=True), comm.recv(b, 1, 4, async_op=True)]
         else:
             works = [comm.send(np.ones(3_000_000), 1, 4, async_op=True)]
-        comm.close(grace=3.0)
+        comm.close(grace=np.float32(3.0))  # any real number of seconds
         results = [w.wait() for w in works]
         if kind == "recv":
             print("got", results[0], a.min(), a.max(), b.tolist())
