@@ -106,9 +106,10 @@ def crossed_hooks(group):
         pair = [bucket.buffer(), extra] if dist.get_rank() == 0 else [extra, bucket.buffer()]
         futures = [dist.all_reduce(t, group=process_group, async_op=True).get_future() for t in pair]
 
-        def done(_):
-            for f in futures:
-                f.value()  # raises what the all-reduce raised
+        def done(both):
+            # collect_all fails as soon as one of its futures does (the other may still
+            # run): its own value raises that first error
+            both.value()
             return bucket.buffer()
         return torch.futures.collect_all(futures).then(done)
     net = DDP(model(), process_group=group)
