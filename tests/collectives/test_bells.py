@@ -136,7 +136,9 @@ def test_a_rank_asleep_on_its_bell_is_woken_by_the_message_not_by_its_poll_timeo
     for i, (mine, theirs) in enumerate(zip(*rounds)):
         for got in (mine, theirs):
             assert got["values"] == [3.0 * (i + 1)] * 8, story
-            assert 0 <= theirs["start"] - got["sent"] < 1e-3, story  # rank 1's clock came through
+            # rank 1's clock came through (two lines apart on rank 1: a loaded core may
+            # deschedule it between them for a few ms)
+            assert 0 <= theirs["start"] - got["sent"] < 0.05, story
         assert mine["sent"] - mine["start"] > 0.2, story  # rank 0 did wait for rank 1
         # (a ring before rank 1 sent is a byte left over from the round before)
         rang += bool([r for r in mine["rings"] if r >= mine["sent"]])
