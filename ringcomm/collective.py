@@ -104,11 +104,7 @@ class Call:
             self._abort(transport, error)
             raise error from None
         except AbortNotice as notice:
-            error = error_for(notice, seq)
-            if not error.remote:
-                self._abort(transport, error)
-            _noted(transport, error)
-            raise error from None
+            raise self._told(transport, notice) from None
         except PeerLost as exc:
             # a peer that aborted this collective and closed: its ABORT may travel another
             # path than its goodbye and be read after it; it, not the goodbye, says why
@@ -116,9 +112,7 @@ class Call:
             if notice is None:
                 self._abort(transport, exc)
                 raise
-            error = error_for(notice, seq)
-            _noted(transport, error)
-            raise error from None
+            raise self._told(transport, notice) from None
         except CommTimeout as exc:
             error = exc.after(comm.timeout)
             self._abort(transport, error)
@@ -176,6 +170,15 @@ class Call:
             return done
         outer.progress = finishing
         return outer
+
+    def _told(self, transport, notice):
+        """The error this call raises for another rank's abort ``notice``; an abort of an
+        earlier collective is passed on, since the others may wait in this one."""
+        error = error_for(notice, self.seq)
+        if not error.remote:
+            self._abort(transport, error)
+        _noted(transport, error)
+        return error
 
     def _notice(self, transport):
         """Another rank's ABORT of this collective, if one is here by now (else None)."""

@@ -250,9 +250,7 @@ class ZmqTransport(SameHost, Transport):
             if self._in_flight[0].done:
                 self._in_flight.popleft()
                 continue
-            self._check_peers(what)
-            if self.stopping is not None:
-                raise CommError(f"{what}: {self.stopping}")
+            self._check_waiting(None, None, what)
             if time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: rank {self.rank} could not hand its data to the "
                                   f"network before the deadline")
