@@ -25,6 +25,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
 from .. import signature
+from . import sparse
 from ..errors import CommError
 from .tensors import check_op, lend, wire_count
 from .versions import VersionNames
@@ -133,7 +134,40 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):  # DDP's Join hook passes a bare tensor
             tensors = [tensors]
-        return self._all_reduce([_one(tensors, "allreduce")], opts or dist.AllreduceOptions(), tensors)
+        tensor, opts = _one(tensors, "allreduce"), opts or dist.AllreduceOptions()
+        if tensor.is_sparse:  # an nn.Embedding(sparse=True)'s gradient under DDP, for one
+            return self._sparse_all_reduce(tensor, opts, tensors)
+        return self._all_reduce([tensor], opts, tensors)
+
+    def _sparse_all_reduce(self, tensor, opts, result):
+        """The sum of sparse COO tensors (see ringcomm.torch.sparse): the headers' all-gather
+        runs here; the indices' and values' all-gathers as the call asks, summed into
+        ``tensor`` once both are in."""
+        op, factor = _reduce_op(opts.reduceOp)
+        if op != "sum" or factor is not None:
+            raise ValueError(f"ringcomm all-reduces sparse tensors with SUM only, not {opts.reduceOp}")
+        if self._gpu or tensor.is_cuda:
+            raise ValueError("ringcomm: sparse tensors are all-reduced on the CPU only")
+        local, n = tensor.detach().coalesce(), self.comm.world_size
+        heads = np.empty((n, sparse.HEADER), np.int64)
+        self.comm.all_gather(heads.reshape(-1), sparse.header(local))
+        sparse.check_alike(heads, self.comm.rank)
+        max_nnz = int(heads[:, 0].max())
+        indices, values = sparse.padded(local, max_nnz)
+        every_index = torch.empty((n, *indices.shape), dtype=torch.int64)
+        every_value = torch.empty((n, *values.shape), dtype=values.dtype)
+
+        @torch.no_grad()
+        def add_up():
+            tensor.copy_(sparse.summed(local, heads, every_index, every_value))
+        if max_nnz == 0:  # no rank has an entry
+            return TorchWork(None, [], result, add_up)
+        works = [self._all_gather([every_index], indices, None, None),
+                 self._all_gather([every_value], values, None, None)]
+        work = TorchWork(_All(works), [], result, add_up)
+        if not getattr(opts, "asyncOp", True):
+            work.wait()
+        return work
 
     def allreduce_coalesced(self, tensors, opts=None):
         """One all-reduce over the tensors laid end to end (one dtype)."""
