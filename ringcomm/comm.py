@@ -27,6 +27,8 @@ Costs below are per rank for n ranks and S bytes, with the ring.
 """
 import math
 import numbers
+import time
+import weakref
 from collections import defaultdict
 
 import numpy as np
@@ -82,6 +84,7 @@ class Communicator:
         self._stats = Stats()
         self._closed = False
         self._threads = ThreadGuard(name, self._revoke)
+        self._issued = weakref.WeakSet()  # queued collectives' works (see close)
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x, op="sum", algorithm="auto", async_op=False):
@@ -311,10 +314,12 @@ class Communicator:
         :class:`CommError` (and closes nothing) while another thread has a collective in
         progress on it.
 
-        ``grace`` (the world only; seconds): queued and running calls may take this long
-        to finish; then every one left fails with :class:`CommError` and the close ends
-        within about a second more (peers still waiting for this rank then fail, naming
-        it). Without it, they finish or fail within their deadline first."""
+        ``grace`` (seconds): queued and running calls may take this long to finish; then
+        on the world every one left fails with :class:`CommError` and the close ends within
+        about a second more (peers still waiting for this rank then fail, naming it); on a
+        group, one of its collectives left revokes it on every member (the collectives left
+        fail here and wherever a member waits in them, naming this rank; its point-to-point
+        calls go on). Without it, they finish or fail within their deadline first."""
         if grace is not None and (isinstance(grace, bool) or not isinstance(grace, numbers.Real)
                                   or not 0 <= grace < math.inf):
             raise ValueError(f"close(grace=...) takes a finite number of seconds >= 0, got {grace!r}")
@@ -328,6 +333,14 @@ class Communicator:
         self._closed = True
         if self._is_world:
             self._engine.close(grace=grace)
+        elif grace is not None:
+            deadline = time.monotonic() + grace
+            for work in list(self._issued):
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(0.002)
+            if any(not work.is_completed() for work in self._issued):
+                self._revoke(f"rank {self.ranks[self.rank]} closed {self.name} while this "
+                             f"collective was in flight")
 
     def __enter__(self):
         return self
@@ -461,6 +474,8 @@ class Communicator:
             if route is None and not async_op and engine.hold():
                 return call, None  # a collective never defers: nothing for the thread to finish
             work = engine.submit(call.run, what, inline=not async_op)
+            if route is None:
+                self._issued.add(work)
             if isinstance(route, receives.Ticket) and route.any:
                 # however it ends, a receive from any source that found no message must not
                 # hold back the receives posted behind it on its tag

@@ -55,3 +55,49 @@ def test_destroy_returns_and_fails_the_work_in_flight_everywhere():
         found = re.search(r"raised (\w+) after=([\d.]+) (.*)", out)
         assert found and float(found[2]) < 10, out
         assert re.search(r"rank 0 (aborted|closed)|to rank 0\b|lost rank 0\b", found[3]), out
+
+
+GROUP_WORKER = textwrap.dedent("""
+    import time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import ringcomm.torch
+
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    start = time.monotonic()
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(10), group=pair, async_op=True)
+        time.sleep(0.3)
+        began = time.monotonic()
+        dist.destroy_process_group(pair)
+        print(f"destroyed in {time.monotonic() - began:.2f}", flush=True)
+        calls = [work.wait]
+    elif rank == 1:
+        time.sleep(5)  # long after rank 0 gave up on the pair
+        calls = [lambda: dist.all_reduce(torch.ones(10), group=pair)]
+    else:
+        calls = []
+    for call in calls:
+        try:
+            call()
+            print("no error", flush=True)
+        except Exception as exc:
+            print(f"raised {type(exc).__name__} after={time.monotonic() - start:.2f} {exc}", flush=True)
+    world = torch.ones(2)
+    dist.all_reduce(world)  # the world outlives the pair
+    print(f"world {world.tolist()}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_destroying_a_group_revokes_its_collectives_on_every_member():
+    results = spawn_job(GROUP_WORKER, 3, timeout=90)
+    for code, out, err in results:
+        assert code == 0, err[-2000:]
+        assert "world [3.0, 3.0]" in out, out
+    (_, out0, _), (_, out1, _), _ = results
+    assert float(re.search(r"destroyed in ([\d.]+)", out0)[1]) < 3.0, out0
+    for out in (out0, out1):  # the call in flight here, and the late member's
+        assert re.search(r"raised Revoked .*rank 0 closed group\[0, 1\].* in flight", out), out
