@@ -56,7 +56,7 @@ def error_for(notice, seq):
     return exc
 
 
-@dataclass
+@dataclass(eq=False)  # a call is itself: held in weak sets (Communicator.close)
 class Call:
     """One collective or point-to-point call of a communicator (``comm``)."""
 
@@ -71,6 +71,12 @@ class Call:
     result: object    # what the caller gets back
     ready: object = None       # device.ready() on the submitting thread
     completion: object = None  # device.done() once the device work is all queued
+    finished: bool = False     # a call its caller's thread ran has returned or raised
+
+    def is_completed(self):
+        """True once a call its caller's thread ran itself has ended (Communicator.close
+        waits for such calls as for queued works)."""
+        return self.finished
 
     def run(self, transport):
         comm, space, seq = self.comm, self.space, self.seq

@@ -84,7 +84,7 @@ class Communicator:
         self._stats = Stats()
         self._closed = False
         self._threads = ThreadGuard(name, self._revoke)
-        self._issued = weakref.WeakSet()  # queued collectives' works (see close)
+        self._issued = weakref.WeakSet()  # collectives' works, and calls run inline (see close)
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x, op="sum", algorithm="auto", async_op=False):
@@ -335,10 +335,12 @@ class Communicator:
             self._engine.close(grace=grace)
         elif grace is not None:
             deadline = time.monotonic() + grace
-            for work in list(self._issued):
+            with self._engine.lock:  # a thread may still be queueing one (torch's groups are unguarded)
+                issued = list(self._issued)
+            for work in issued:
                 while not work.is_completed() and time.monotonic() < deadline:
                     time.sleep(0.002)
-            if any(not work.is_completed() for work in self._issued):
+            if any(not work.is_completed() for work in issued):
                 self._revoke(f"rank {self.ranks[self.rank]} closed {self.name} while this "
                              f"collective was in flight")
 
@@ -439,6 +441,7 @@ class Communicator:
                 try:
                     result = call.run(self._engine.transport)
                 finally:
+                    call.finished = True
                     self._engine.release()
                 call.join()
                 return result
@@ -472,6 +475,7 @@ class Communicator:
                 what = f"send to rank {peer} (tag {tag}, #{seq}) on {self.name}"
             call = Call(self, body, space, seq, sig, x.dtype, what, device, result, ready)
             if route is None and not async_op and engine.hold():
+                self._issued.add(call)
                 return call, None  # a collective never defers: nothing for the thread to finish
             work = engine.submit(call.run, what, inline=not async_op)
             if route is None:

@@ -15,6 +15,8 @@ for these communicators; its signatures still catch ranks whose calls differ.
 >>> import ringcomm.torch; dist.init_process_group("ringcomm")
 >>> dist.all_reduce(t)                   # ProcessGroupRingcomm.allreduce([t], opts)
 """
+import math
+import threading
 import time
 from datetime import timedelta
 
@@ -35,6 +37,31 @@ _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "prod", Redu
         ReduceOp.MAX: "max", ReduceOp.BAND: "band", ReduceOp.BOR: "bor", ReduceOp.BXOR: "bxor"}
 MONITOR_TAG, MONITOR_TAGS = 0xFFFF_0000, 0xFFFF  # monitored_barrier's point-to-point tags
 SHUTDOWN_GRACE_S = 1.0  # destroy_process_group() waits this long for calls in flight
+CHAINED_S = 0.5  # a shutdown this soon after another shares its grace (see _Teardown)
+
+
+class _Teardown:
+    """One grace for shutdowns that follow each other at once: torch's world destroy shuts
+    every group down in turn, and each may have calls in flight behind the same stuck one,
+    so the whole destroy, not each group, gets SHUTDOWN_GRACE_S."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._until, self._last_end = 0.0, -math.inf
+
+    def grace(self):
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_end > CHAINED_S:
+                self._until = now + SHUTDOWN_GRACE_S
+            return max(0.0, self._until - now)
+
+    def ended(self):
+        with self._lock:
+            self._last_end = time.monotonic()
+
+
+_teardown = _Teardown()
 
 
 def _reduce_op(reduce_op):
@@ -146,8 +173,8 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         op, factor = _reduce_op(opts.reduceOp)
         if op != "sum" or factor is not None:
             raise ValueError(f"ringcomm all-reduces sparse tensors with SUM only, not {opts.reduceOp}")
-        if self._gpu or tensor.is_cuda:
-            raise ValueError("ringcomm: sparse tensors are all-reduced on the CPU only")
+        if self._gpu:  # the same on every rank of the group: refused before any message
+            raise ValueError("ringcomm: sparse tensors are all-reduced on CPU groups only")
         local, n = tensor.detach().coalesce(), self.comm.world_size
         heads = np.empty((n, sparse.HEADER), np.int64)
         self.comm.all_gather(heads.reshape(-1), sparse.header(local))
@@ -391,10 +418,14 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
     # -- lifetime -------------------------------------------------------------------------
     def shutdown(self):
         """destroy_process_group(): the calls still in flight get SHUTDOWN_GRACE_S to
-        finish, then fail here and on every rank that waits for this one."""
+        finish (the groups of one destroy share it), then fail here and on every rank that
+        waits for this one (a group's collectives: revoked on every member)."""
         if self._on_shutdown is not None:
             self._on_shutdown(self)
-        self.comm.close(grace=SHUTDOWN_GRACE_S)
+        try:
+            self.comm.close(grace=_teardown.grace())
+        finally:
+            _teardown.ended()
 
     abort = shutdown
 

@@ -28,32 +28,41 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 
 
 def header(tensor):
-    """The int64 header of a coalesced sparse ``tensor``."""
-    if tensor.dim() > MAX_DIMS:
-        raise ValueError(f"ringcomm sparse all_reduce: at most {MAX_DIMS} dimensions, got {tensor.dim()}")
-    if tensor.dtype not in _DTYPES:
-        raise ValueError(f"ringcomm sparse all_reduce: {tensor.dtype} values are not supported")
+    """The int64 header of a coalesced sparse ``tensor``. What this backend cannot reduce
+    (a CUDA tensor, a dtype not in the list, too many dimensions) is written into it, not
+    raised here, so that every rank refuses the call alike (:func:`check_alike`)."""
     head = np.full(HEADER, -1, np.int64)
-    head[:4] = tensor._nnz(), tensor.sparse_dim(), _DTYPES.index(tensor.dtype), tensor.dim()
-    head[4:4 + tensor.dim()] = tensor.shape
+    supported = tensor.dtype in _DTYPES and not tensor.is_cuda
+    head[:4] = tensor._nnz(), tensor.sparse_dim(), _DTYPES.index(tensor.dtype) if supported else -1, tensor.dim()
+    if tensor.dim() <= MAX_DIMS:
+        head[4:4 + tensor.dim()] = tensor.shape
     return head
 
 
 def _describe(head):
     ndim = int(head[3])
+    if head[2] < 0 or ndim > MAX_DIMS:
+        return f"a tensor this backend does not all-reduce ({ndim} dimensions)"
     return (f"{_DTYPES[head[2]]} of shape {tuple(int(s) for s in head[4:4 + ndim])} with "
             f"{int(head[1])} sparse dimensions")
 
 
 def check_alike(heads, me):
-    """Raise CollectiveMismatch (on every rank alike: all read the same ``heads``) unless
-    every rank's tensor has rank ``me``'s shape, sparse dimensions and dtype."""
-    first = heads[0]
+    """Raise on every rank alike (all read the same ``heads``) unless every rank's tensor is
+    one this backend reduces (else ValueError), with the same shape, sparse dimensions and
+    dtype as the others' (else CollectiveMismatch), naming which rank holds what."""
+    odd = [r for r, h in enumerate(heads) if h[2] < 0 or h[3] > MAX_DIMS]
+    if odd:
+        raise ValueError(f"ringcomm sparse all_reduce: rank(s) {odd} hold sparse tensors it cannot "
+                         f"reduce (CUDA, a dtype other than {', '.join(str(d) for d in _DTYPES)}, or "
+                         f"more than {MAX_DIMS} dimensions); seen from rank {me}")
+    kinds = {}
     for r, head in enumerate(heads):
-        if not np.array_equal(head[1:], first[1:]):
-            raise CollectiveMismatch(
-                f"ringcomm sparse all_reduce: rank {r}'s tensor is {_describe(head)}, rank 0's is "
-                f"{_describe(first)} (seen from rank {me})")
+        kinds.setdefault(_describe(head), []).append(r)
+    if len(kinds) > 1:
+        held = "; ".join(f"rank(s) {ranks}: {kind}" for kind, ranks in kinds.items())
+        raise CollectiveMismatch(f"ringcomm sparse all_reduce: the ranks' tensors differ ({held}); "
+                                 f"seen from rank {me}")
 
 
 def padded(tensor, max_nnz):

@@ -111,13 +111,19 @@ class Embedding:
 
     def __init__(self, ctx):
         self.ctx, self.params = ctx, [0, 1]
+        self._positions = {}  # array module -> the rows' positions there (copied to a device once)
+
+    def positions(self, xp):
+        """The positions of this rank's rows, as an index array of ``xp``."""
+        if xp not in self._positions:
+            self._positions[xp] = xp.asarray(self.ctx.positions[self.ctx.rows])
+        return self._positions[xp]
 
     def forward(self, ps, x):
         """``x``: this rank's tokens ``(b, positions)``; returns ``(b, rows, d)``."""
         wte, wpe = ps
         tokens = x[:, self.ctx.rows]
-        pos = self.ctx.positions[self.ctx.rows]
-        h = F.f32(wte)[tokens] + F.f32(wpe)[pos]
+        h = F.f32(wte)[tokens] + F.f32(wpe)[self.positions(array_module(wpe))]
         return h.astype(self.ctx.dtype), tokens
 
     def backward(self, ps, tokens, dh):
@@ -132,7 +138,7 @@ class Embedding:
             import cupyx
             cupyx.scatter_add(dwte, tokens.reshape(-1), dh.reshape(-1, d))
         dwpe = xp.zeros(wpe.shape, np.float32)
-        dwpe[xp.asarray(self.ctx.positions[self.ctx.rows])] = dh.sum(axis=0)
+        dwpe[self.positions(xp)] = dh.sum(axis=0)
         return self.ctx.regions.sum_partial([dwte, dwpe]), None
 
 

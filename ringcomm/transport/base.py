@@ -354,7 +354,10 @@ class Transport(ABC):
         sig, key = abort_sig(exc), frame.Key(comm_id, 0, seq, 0, 0)
         for dst in peers:
             if dst != self.rank:
-                self._post(dst, frame.pack(Kind.ABORT, self.rank, key, len(reason), sig), reason)
+                try:
+                    self._post(dst, frame.pack(Kind.ABORT, self.rank, key, len(reason), sig), reason)
+                except CommError:  # that peer is gone (its loss is reported on its own); the rest must hear
+                    pass
 
     def retire(self, comm_id, seq, failed=False):
         self.mailbox.retire(comm_id, seq, failed)

@@ -327,11 +327,15 @@ def test_staged_sends_respect_the_point_to_point_window(backend):
     assert "WINDOW sent" in out0 and "WINDOW True" in out1, out0 + out1
 
 
-def train(strategy, device, tmp_path, extra=(), env=None):
+MLP = ("--steps", "5", "--batch-size", "64", "--samples", "512", "--layers", "32,64,48,10")
+GPT = ("--model", "gpt", "--steps", "3", "--batch-size", "4", "--n-layer", "2", "--n-head", "2",
+       "--d-model", "16", "--seq-len", "16", "--vocab", "256")
+
+
+def train(strategy, device, tmp_path, extra=(), env=None, model=MLP, nproc=2):
     path = tmp_path / f"{strategy}-{device}.npz"
-    cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", device, "-m", "ringcomm.train",
-           "--strategy", strategy, "--steps", "5", "--batch-size", "64", "--samples", "512",
-           "--layers", "32,64,48,10", "--save", str(path), *extra]
+    cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", str(nproc), "--device", device, "-m",
+           "ringcomm.train", "--strategy", strategy, *model, "--save", str(path), *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, **(env or {})))
     assert result.returncode == 0, result.stderr[-3000:]
     return np.load(path)
@@ -342,10 +346,11 @@ def cpu_run(tmp_path_factory):
     """The CPU run of a layout, trained once for both backends."""
     runs = {}
 
-    def run(strategy, extra):
-        if (strategy, extra) not in runs:
-            runs[strategy, extra] = train(strategy, "cpu", tmp_path_factory.mktemp("cpu"), extra)
-        return runs[strategy, extra]
+    def run(strategy, extra, model=MLP, nproc=2):
+        key = strategy, extra, model, nproc
+        if key not in runs:
+            runs[key] = train(strategy, "cpu", tmp_path_factory.mktemp("cpu"), extra, model=model, nproc=nproc)
+        return runs[key]
     return run
 
 
@@ -381,6 +386,32 @@ def test_training_on_gpu_matches_cpu(strategy, extra, tmp_path, backend, cpu_run
         assert devices == ["on device 0", "on device 1"], devices
         for d in ranks:
             assert d["operations"] > 100 and d["device_peak_bytes"] > 4 * 32 * 64, d
+
+
+GPT_LAYOUTS = {  # test id -> (strategy, extra arguments, ranks)
+    "gpt_cp2": ("ddp", ("--cp", "2"), 2),
+    "gpt_tp2_sp_zero3": ("zero3", ("--tp", "2", "--sp"), 4),
+    "gpt_pp2_recompute_fp16": ("ddp", ("--pp", "2", "--recompute", "--precision", "fp16"), 2)}
+
+
+@pytest.mark.parametrize("strategy,extra,nproc", list(GPT_LAYOUTS.values()), ids=list(GPT_LAYOUTS))
+def test_gpt_on_gpu_matches_cpu(strategy, extra, nproc, tmp_path, backend, cpu_run):
+    """The GPT's layouts on the device train as on the CPU; its positions reach the device
+    once, not with every step's indexing (on the stand-in: no numpy index array uploaded)."""
+    name, env = backend
+    reports = tmp_path / "standin"
+    if name == "standin":
+        reports.mkdir()
+        env = dict(env, CUPY_STANDIN_REPORT=str(reports))
+    gpu = train(strategy, "gpu", tmp_path, extra, env, model=GPT, nproc=nproc)
+    cpu = cpu_run(strategy, extra, GPT, nproc)
+    for key in cpu.files:
+        assert np.allclose(gpu[key], cpu[key], rtol=1e-4, atol=1e-5), key
+    if name == "standin":
+        ranks = [d for d in (json.loads(p.read_text()) for p in reports.glob("*.json")) if d.get("kernels")]
+        assert len(ranks) == nproc, ranks
+        for d in ranks:  # the positions are copied to the device once, as arrays of their own
+            assert d.get("index uploads", 0) == 0, d
 
 
 # The offloaded optimizer's copies, on the stand-in: each unit's gradient slice goes down on

@@ -58,33 +58,40 @@ def test_destroy_returns_and_fails_the_work_in_flight_everywhere():
 
 
 GROUP_WORKER = textwrap.dedent("""
-    import time
+    import threading, time
     from datetime import timedelta
     import torch, torch.distributed as dist
     import ringcomm.torch
 
-    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
-    pair = dist.new_group([0, 1])
-    start = time.monotonic()
-    if rank == 0:
-        work = dist.all_reduce(torch.ones(10), group=pair, async_op=True)
-        time.sleep(0.3)
-        began = time.monotonic()
-        dist.destroy_process_group(pair)
-        print(f"destroyed in {time.monotonic() - began:.2f}", flush=True)
-        calls = [work.wait]
-    elif rank == 1:
-        time.sleep(5)  # long after rank 0 gave up on the pair
-        calls = [lambda: dist.all_reduce(torch.ones(10), group=pair)]
-    else:
-        calls = []
-    for call in calls:
+    def attempt(call, name):
         try:
             call()
-            print("no error", flush=True)
+            print(f"{name} no error", flush=True)
         except Exception as exc:
-            print(f"raised {type(exc).__name__} after={time.monotonic() - start:.2f} {exc}", flush=True)
+            print(f"{name} raised {type(exc).__name__} after={time.monotonic() - start:.2f} {exc}", flush=True)
+
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    pair, other = dist.new_group([0, 1]), dist.new_group([0, 1])
+    start = time.monotonic()
+    if rank == 0:
+        # a blocking call started while nothing is queued runs on its own thread, not on the
+        # communication thread; the asynchronous one queues behind it
+        blocked = threading.Thread(target=attempt, args=(lambda: dist.all_reduce(torch.ones(3), group=other), "sync"))
+        blocked.start()
+        time.sleep(0.2)
+        work = dist.all_reduce(torch.ones(10), group=pair, async_op=True)
+        time.sleep(0.1)
+        began = time.monotonic()
+        dist.destroy_process_group(pair)
+        dist.destroy_process_group(other)
+        print(f"destroyed in {time.monotonic() - began:.2f}", flush=True)
+        attempt(work.wait, "async")
+        blocked.join()
+    elif rank == 1:
+        time.sleep(5)  # long after rank 0 gave up on both groups
+        attempt(lambda: dist.all_reduce(torch.ones(3), group=other), "sync")
+        attempt(lambda: dist.all_reduce(torch.ones(10), group=pair), "async")
     world = torch.ones(2)
     dist.all_reduce(world)  # the world outlives the pair
     print(f"world {world.tolist()}", flush=True)
@@ -98,6 +105,7 @@ def test_destroying_a_group_revokes_its_collectives_on_every_member():
         assert code == 0, err[-2000:]
         assert "world [3.0, 3.0]" in out, out
     (_, out0, _), (_, out1, _), _ = results
-    assert float(re.search(r"destroyed in ([\d.]+)", out0)[1]) < 3.0, out0
-    for out in (out0, out1):  # the call in flight here, and the late member's
-        assert re.search(r"raised Revoked .*rank 0 closed group\[0, 1\].* in flight", out), out
+    assert float(re.search(r"destroyed in ([\d.]+)", out0)[1]) < 3.0, out0  # both within one grace
+    for out in (out0, out1):  # the calls in flight here (async, and blocking on a thread), the late member's
+        for name in ("async", "sync"):
+            assert re.search(name + r" raised Revoked .*rank 0 closed group\[0, 1\].* in flight", out), out

@@ -51,6 +51,11 @@ WORKER = textwrap.dedent("""
         dist.all_reduce(odd)
     except CollectiveMismatch as exc:
         report["mismatch"] = str(exc)
+    kind = torch.uint16 if rank == 0 else torch.int16  # rank 0 alone holds what it cannot reduce
+    try:
+        dist.all_reduce(torch.sparse_coo_tensor([[0]], [1], (4,), dtype=kind))
+    except ValueError as exc:
+        report["odd dtype"] = str(exc)
     try:
         dist.all_reduce(odd, dist.ReduceOp.MAX)
     except ValueError as exc:
@@ -93,7 +98,9 @@ def test_sparse_all_reduce_sums_every_ranks_entries():
             assert is_sparse and coalesced and nnz > 0, report["cases"]
             assert error == 0, report["cases"]  # quarters of small integers add exactly
         assert report["empty"] == [0, 4]
-        assert "rank 2's tensor is torch.float32 of shape (11,)" in report["mismatch"], report
+        assert "rank(s) [0, 1]: torch.float32 of shape (10,)" in report["mismatch"], report
+        assert "rank(s) [2]: torch.float32 of shape (11,)" in report["mismatch"], report
+        assert "rank(s) [0] hold sparse tensors it cannot reduce" in report["odd dtype"], report
         assert "SUM only" in report["max"], report
         assert report["after"] == [3.0, 3.0, 3.0]
         assert report["ddp"] < 1e-6, report["ddp"]

@@ -146,6 +146,7 @@ class ndarray:
         return apply(func, args, kwargs, func.__name__)
 
     def __getitem__(self, key):
+        key = _uploaded(key)
         if _is_basic(key):
             view = self._a[key]
             if not isinstance(view, np.ndarray):  # one element: a 0-d view, as CuPy gives
@@ -157,6 +158,7 @@ class ndarray:
                      data_dependent=_has_bool_mask(key))
 
     def __setitem__(self, key, value):
+        key = _uploaded(key)
         _no_numpy((self, key, value), "setitem")
         for x in _fakes((self, key, value)):
             _check_device(x)
@@ -282,6 +284,24 @@ def _real(obj):
     return _map(obj, lambda x: x._a)
 
 
+def _uploaded(key):
+    """``key`` with its numpy index arrays copied to the device, as CuPy's indexing takes
+    them: a host -> device copy each time, counted as an "index upload" (a model that
+    indexes with host arrays every step pays it every step)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, np.ndarray) for k in keys):
+        return key
+    moved = []
+    for k in keys:
+        if isinstance(k, np.ndarray):
+            rt.counts["index uploads"] += 1
+            device = ndarray(k.shape, k.dtype)
+            device.set(k)
+            k = device
+        moved.append(k)
+    return tuple(moved) if isinstance(key, tuple) else moved[0]
+
+
 def _is_basic(key):
     keys = key if isinstance(key, tuple) else (key,)
     return all(k is None or k is Ellipsis or isinstance(k, (int, np.integer, slice)) and not isinstance(k, bool)
@@ -316,12 +336,12 @@ def apply(func, args, kwargs, name, data_dependent=False):
         outs = list(_fakes(out))
         if not outs:
             raise TypeError(f"{name}: out must be device arrays")
-        dummies = {id(x): np.zeros(x.shape, x.dtype) for x in fakes}  # types and shapes fail now
+        dummies = {id(x): _dummy(x) for x in fakes}  # types and shapes fail now
         _quiet(func, _map(args, lambda x: dummies[id(x)]), _map(kwargs, lambda x: dummies[id(x)]))
         real_args, real_kwargs = _real(args), _real(kwargs)
         stream.launch(lambda: _quiet(func, real_args, real_kwargs), name)
         return out[0] if isinstance(out, tuple) and len(out) == 1 else out
-    dummies = {id(x): np.zeros(x.shape, x.dtype) for x in fakes}
+    dummies = {id(x): _dummy(x) for x in fakes}
     with np.errstate(all="ignore"):
         shape_of = func(*_map(args, lambda x: dummies[id(x)]), **_map(kwargs, lambda x: dummies[id(x)]))
     results = _arrays(shape_of)
@@ -344,6 +364,16 @@ def apply(func, args, kwargs, name, data_dependent=False):
     stream.launch(run, name)
     it = iter(out_arrays)
     return _map_results(shape_of, lambda r: next(it))
+
+
+def _dummy(x):
+    """Zeros laid out as ``x`` is in its allocation (offset and strides alike), so that an
+    operation tried on it returns a view exactly where it would on ``x`` (a reshape of a
+    transposed view copies, as in CuPy)."""
+    base, view = x._buffer.data, x._a
+    offset = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    zeros = np.zeros(base.nbytes, np.uint8)
+    return np.ndarray(view.shape, view.dtype, buffer=zeros, offset=offset, strides=view.strides)
 
 
 def _quiet(func, args, kwargs):

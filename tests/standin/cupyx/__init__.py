@@ -18,4 +18,5 @@ def zeros_pinned(shape, dtype=float, order="C"):
 
 
 def scatter_add(a, slices, value):
-    apply(lambda x, s, v: np.add.at(x, s, v), (a, slices, value), {"out": (a,)}, "scatter_add")
+    # "out" marks the call in place (see apply); np.add.at writes into its first operand
+    apply(lambda x, s, v, out: np.add.at(x, s, v), (a, slices, value), {"out": (a,)}, "scatter_add")
