@@ -89,9 +89,12 @@ class CudaDevice(StagedDevice):
         out.set(host, stream=self.stream)
 
     def ready(self):
-        # the submitting thread's stream *of this device*: a thread that never made the
-        # device current (a torch completer, a user's thread) still orders the right stream
-        return self.cupy.cuda.get_current_stream(self.index).record(self._event())
+        # the submitting thread's stream *of this device*, used with the device current: a
+        # default stream's handle means the current device's stream, and an event can only
+        # be recorded on its own device's, so a thread that never made the device current
+        # (a torch completer, a user's thread) would order another device's work, or fail
+        with self.cupy.cuda.Device(self.index):
+            return self.cupy.cuda.get_current_stream(self.index).record(self._event())
 
     @contextlib.contextmanager
     def running(self, ready):
@@ -108,12 +111,16 @@ class CudaDevice(StagedDevice):
         return self.stream.record(self._event())
 
     def _event(self):
-        return self.cupy.cuda.Event(disable_timing=True)  # ordering only: no timestamps
+        # made on the rank's device (an event belongs to the device current when it is
+        # made); ordering only: no timestamps
+        with self.cupy.cuda.Device(self.index):
+            return self.cupy.cuda.Event(disable_timing=True)
 
     def join(self, done, synchronize=False):
         if done is None:
             return
         if synchronize:
             done.synchronize()
-        else:
-            self.cupy.cuda.get_current_stream(self.index).wait_event(done)
+        else:  # with the device current: see ready()
+            with self.cupy.cuda.Device(self.index):
+                self.cupy.cuda.get_current_stream(self.index).wait_event(done)

@@ -85,6 +85,21 @@ CHECKS = textwrap.dedent("""
     seen["event polled"] = polls
     cp.cuda.runtime.hostUnregister(address)
     seen["unregistered twice refused"] = raises(lambda: cp.cuda.runtime.hostUnregister(address))
+
+    with cp.cuda.Device(1):                      # device 1's default stream, used from device 0
+        k = cp.arange(4, dtype=cp.float32) * 3   # queued on device 1's null stream
+        one = cp.cuda.Event()
+    handle = cp.cuda.get_current_stream(1)       # the default stream's handle: device 0's here
+    marker = handle.record()                     # an event of device 0, on device 0's stream
+    waiter = cp.cuda.Stream(non_blocking=True)
+    waiter.wait_event(marker)                    # orders nothing of device 1
+    seen["default handle means the current device"] = cp.asnumpy(k, stream=waiter).tolist()
+    seen["event of another device refused"] = raises(lambda: one.record(cp.cuda.get_current_stream(0)))
+    ix = cp.arange(6, dtype=cp.float32)
+    seen["numpy index taken"] = ix[np.array([5, 0])].tolist()
+    seen["index uploads"] = cp._runtime.counts["index uploads"]
+    seen["reshape of a transpose copies"] = (ix.reshape(2, 3).T.reshape(-1).tolist(),
+                                              cp.shares_memory(ix, ix.reshape(2, 3).T.reshape(-1)))
     print(json.dumps(seen))
 """)
 
@@ -112,3 +127,7 @@ def test_the_standin_defers_refuses_and_tracks():
     assert seen["registered source read late"] == [4] * 4
     assert seen["event polled"] >= 1, "an event was done before its stream moved"
     assert seen["unregistered twice refused"] == "CUDARuntimeError"
+    assert all(v != v for v in seen["default handle means the current device"])  # never waited for
+    assert seen["event of another device refused"] == "CUDARuntimeError"
+    assert seen["numpy index taken"] == [5.0, 0.0] and seen["index uploads"] == 1
+    assert seen["reshape of a transpose copies"] == [[0.0, 3.0, 1.0, 4.0, 2.0, 5.0], False]

@@ -14,6 +14,12 @@ is queued on the stream and carried out only when something forces it, in stream
   its device, and a blocking stream's work follows earlier null-stream work. Streams made
   with ``non_blocking=True`` and per-thread default streams have no implicit order at all.
 
+The default streams are handles, not streams of a device: the legacy null stream (handle 0)
+and the per-thread default stream (handle 2) denote the stream of whichever device is
+current where they are used (a launch, a record, a wait), as in CUDA; ``get_current_stream(1)``
+used while device 0 is current orders device 0's work. An event belongs to the device
+current when it was made, and recording it on another device's stream fails.
+
 So a reader that does not wait for a writer on another stream reads what was there before
 (fresh device memory holds a poison pattern: NaN or -1), exactly the bug a GPU shows only
 sometimes. The current device and each device's current stream are per thread, as in CUDA.
@@ -65,9 +71,21 @@ class Stream:
     def _blocking(self):
         return not (self.null or self.non_blocking or self.ptds)
 
-    def launch(self, fn, what="work", any_device=False):
-        """Queue ``fn`` on this stream: a kernel's stream must be of this thread's current
-        device; a copy or an event wait (``any_device``) may go to any device's stream."""
+    def resolved(self, device=None):
+        """The stream this handle denotes while ``device`` (default: the current one) is
+        current: a default stream's handle means that device's (module docstring)."""
+        if not (self.null or self.ptds):
+            return self
+        device = current_device() if device is None else device
+        return default_stream(device, ptds=self.ptds)
+
+    def launch(self, fn, what="work", any_device=False, device=None):
+        """Queue ``fn`` on this stream (a default stream: the one of ``device``, default the
+        current one): a kernel's stream must be of this thread's current device; a copy or
+        an event wait (``any_device``) may go to any device's stream."""
+        target = self.resolved(device)
+        if target is not self:
+            return target.launch(fn, what, any_device)
         if not any_device and self.device_id != current_device():
             raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: {what} on a stream of device "
                                    f"{self.device_id} while device {current_device()} is current")
@@ -96,8 +114,9 @@ class Stream:
                 self._done += 1
 
     def synchronize(self):
-        _host_waits(self, self._count)
-        self.run_until(self._count)
+        target = self.resolved()
+        _host_waits(target, target._count)
+        target.run_until(target._count)
 
     def record(self, event=None):
         event = event or Event()
@@ -105,7 +124,7 @@ class Stream:
         return event
 
     def wait_event(self, event):
-        if event._stream is not None:
+        if event._stream is not None:  # the event's stream may be of any device: CUDA allows it
             self.launch(_until(event._stream, event._position), "wait_event", any_device=True)
 
     def _check_device(self):
@@ -158,28 +177,37 @@ def _current_streams():
     return streams
 
 
+def default_stream(device, ptds=PER_THREAD_DEFAULT):
+    """``device``'s legacy null stream, or this thread's per-thread default stream of it."""
+    if not ptds:
+        return null_stream(device)
+    defaults = getattr(_local, "defaults", None)
+    if defaults is None:
+        defaults = _local.defaults = {}
+    if device not in defaults:
+        defaults[device] = Stream(ptds=True, device=device)
+    return defaults[device]
+
+
 def current_stream(device=None):
-    """This thread's current stream of ``device`` (default: its current device)."""
+    """This thread's current stream of ``device`` (default: its current device): one set
+    with ``with stream``, else the default stream's handle (which means the device current
+    where it is used, see the module docstring)."""
     device = current_device() if device is None else device
     stream = _current_streams().get(device)
-    if stream is not None:
-        return stream
-    if PER_THREAD_DEFAULT:
-        defaults = getattr(_local, "defaults", None)
-        if defaults is None:
-            defaults = _local.defaults = {}
-        if device not in defaults:
-            defaults[device] = Stream(ptds=True, device=device)
-        return defaults[device]
-    return null_stream(device)
+    return stream if stream is not None else default_stream(device)
 
 
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.device_id = current_device()  # an event belongs to the device current when made
         self._stream, self._position = None, 0
 
     def record(self, stream=None):
-        stream = stream or current_stream()
+        stream = (stream or current_stream()).resolved()
+        if stream.device_id != self.device_id:
+            raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: an event of device {self.device_id} "
+                                   f"recorded on a stream of device {stream.device_id}")
         self._stream, self._position = stream, stream._count
 
     def synchronize(self):
