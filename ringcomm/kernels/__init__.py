@@ -110,8 +110,7 @@ def _on_gpu(*arrays):
     raise TypeError(f"expected numpy arrays or CuPy arrays, not a mix: got {sorted(kinds)}")
 
 
-COMPILE_OPTIONS = ("-std=c++17",)
-NO_CUDA_FP16 = "-DRINGCOMM_NO_CUDA_FP16"
+COMPILE_OPTIONS = ("-std=c++17",)  # the sources include no header: nothing else is needed
 
 
 def module_source(name):
@@ -123,28 +122,11 @@ def module_source(name):
     return code.replace('#include "common.cuh"', common)
 
 
-def compile_with_fallback(compile, code):
-    """``compile(code, COMPILE_OPTIONS)``; if that fails over ``cuda_fp16.h`` (an NVRTC that
-    cannot find or parse it), once more with ``-DRINGCOMM_NO_CUDA_FP16``, which makes
-    the kernels use their own fp16 type. Returns what ``compile`` returns."""
-    try:
-        return compile(code, COMPILE_OPTIONS)
-    except Exception as exc:  # cupy.cuda.compiler.CompileException: the message is NVRTC's log
-        if "cuda_fp16" not in str(exc):
-            raise
-    return compile(code, COMPILE_OPTIONS + (NO_CUDA_FP16,))
-
-
 @functools.cache
 def _module(name, device_id):
-    cp = _cupy()
-
-    def build(code, options):
-        mod = cp.RawModule(code=code, options=options)
-        mod.compile()
-        return mod
-
-    return compile_with_fallback(build, module_source(name))
+    mod = _cupy().RawModule(code=module_source(name), options=COMPILE_OPTIONS)
+    mod.compile()  # now, so that a compile error names the module at its first use
+    return mod
 
 
 @functools.cache
@@ -380,7 +362,7 @@ def sq_norm(x, loss_scale=1.0, on_device=False):
     return total if on_device else float(total.get())
 
 
-__all__ = ["COMPILE_OPTIONS", "ENTRY_POINTS", "NO_CUDA_FP16", "SOURCES", "THREADS", "adam_step",
-           "backend", "cast_to_half", "compile_with_fallback", "divide", "finalize",
+__all__ = ["COMPILE_OPTIONS", "ENTRY_POINTS", "SOURCES", "THREADS", "adam_step",
+           "backend", "cast_to_half", "divide", "finalize",
            "found_nonfinite", "module_source", "reduce", "reference", "scale", "source_path",
            "sq_norm", "sq_norm_partial", "unscale"]

@@ -3,20 +3,11 @@
 // *.cu; ringcomm/kernels/__init__.py inlines it for NVRTC.
 #pragma once
 // ---- common prelude: identical in every kernels/*.cu (tests/unit/test_kernels_compile.py checks) ----
-// fp16: cuda_fp16.h's __half by default (nvcc has it; CuPy's RawModule finds the copy CuPy
-// bundles). -DRINGCOMM_NO_CUDA_FP16 swaps in a two-byte struct with the same layout and the
-// same two PTX conversions that __half2float / __float2half_rn emit, for an NVRTC that cannot
-// find cuda_fp16.h; ringcomm/kernels/__init__.py retries with it. Every floating-point step that must
+// fp16: a two-byte struct with __half's layout and the two PTX conversions __half2float and
+// __float2half_rn emit, so that no source includes a CUDA header: NVRTC compiles the kernels
+// whether or not CuPy or a toolkit supplies cuda_fp16.h. Every floating-point step that must
 // match numpy bit for bit goes through rc::add/sub/mul/div/sqrt_rn and the comparisons
 // below: correctly rounded, never contracted into an FMA, and never flushed to zero.
-#ifndef RINGCOMM_NO_CUDA_FP16
-#include <cuda_fp16.h>
-namespace rc {
-typedef __half half;
-__device__ __forceinline__ float to_float(half h) { return __half2float(h); }
-__device__ __forceinline__ half to_half(float f) { return __float2half_rn(f); }
-}  // namespace rc
-#else
 namespace rc {
 struct __align__(2) half { unsigned short bits; };
 __device__ __forceinline__ float to_float(half h) {
@@ -30,7 +21,6 @@ __device__ __forceinline__ half to_half(float f) {
     return h;
 }
 }  // namespace rc
-#endif
 
 namespace rc {
 

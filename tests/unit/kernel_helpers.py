@@ -71,7 +71,6 @@ NVCC = find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH nor at /usr/local/cuda/bin/nvcc: "
                                                      "the CUDA kernels cannot be compiled to PTX here")
 NVCC_FLAGS = ["--ptx", "-arch=sm_80", "-std=c++17", "-ftz=true"]  # CuPy adds -ftz=true to every RawModule
-VARIANTS = ("file", "no-fp16-header")
 
 
 def _compile(nvcc, src, out, extra=()):

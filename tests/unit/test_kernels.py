@@ -150,9 +150,8 @@ class FakeArray:
 
 def fake_cupy(ptx_by_source, launches):
     signatures = {}
-    for (source, variant), text in ptx_by_source.items():
-        if variant == "file":
-            signatures.update({name: (source, params) for name, params in ptx_entries(text).items()})
+    for source, text in ptx_by_source.items():
+        signatures.update({name: (source, params) for name, params in ptx_entries(text).items()})
 
     class Kernel:
         def __init__(self, source, name):

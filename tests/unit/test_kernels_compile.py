@@ -1,8 +1,8 @@
 """ringcomm.kernels' CUDA sources: nvcc compiles each to PTX with the expected entry points,
-as it is and without cuda_fp16.h, from one common prelude; the kernels that promise numpy's bits
-have no fused multiply-add, no kernel flushes subnormals under CuPy's -ftz=true, the flags take
-one atomic per block, the PTX assembles for sm_80; NVRTC compiles the strings cupy.RawModule
-gets, through the loader's fallback to its own fp16 type."""
+from one common prelude that includes no header; the kernels that promise numpy's bits have
+no fused multiply-add, no kernel flushes subnormals under CuPy's -ftz=true, the flags take one
+atomic per block, the PTX assembles for sm_80; NVRTC alone (no CUDA headers) compiles the
+strings cupy.RawModule gets."""
 import ctypes
 import ctypes.util
 import importlib.util
@@ -15,7 +15,7 @@ import pytest
 
 from ringcomm import kernels
 
-from kernel_helpers import EXPECTED_ENTRIES, KERNEL_DIR, NVCC, VARIANTS, needs_nvcc, ptx_entries
+from kernel_helpers import EXPECTED_ENTRIES, KERNEL_DIR, NVCC, needs_nvcc, ptx_entries
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,12 +31,11 @@ def test_sources_are_the_cu_files():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", kernels.SOURCES)
-def test_ptx_has_every_entry_point(ptx, name, variant):
-    entries = ptx_entries(ptx[name, variant])
+def test_ptx_has_every_entry_point(ptx, name):
+    entries = ptx_entries(ptx[name])
     assert sorted(entries) == sorted(EXPECTED_ENTRIES[name])
-    assert ".target sm_80" in ptx[name, variant]
+    assert ".target sm_80" in ptx[name]
 
 
 PRELUDE = re.compile(r"^// ---- common prelude:.*?^// ---- end of common prelude ----$", re.MULTILINE | re.DOTALL)
@@ -50,42 +49,40 @@ def test_every_source_shares_one_prelude_and_compiles_from_one_string():
         text = (KERNEL_DIR / f"{name}.cu").read_text()
         assert text.count('#include "common.cuh"') == 1 and not PRELUDE.findall(text)
         code = kernels.module_source(name)
-        assert '#include "' not in code, f"{name}: RawModule gets one string, no local includes"
+        assert "#include" not in code, f"{name}: RawModule gets one string that includes no header"
         assert PRELUDE.findall(code) == PRELUDE.findall(common)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_exact_kernels_are_never_contracted_to_fma(ptx, variant):
+def test_exact_kernels_are_never_contracted_to_fma(ptx):
     """reduce/adam/cast promise numpy's bits: one rounding per operation, no fused multiply-add."""
     for name in ("reduce", "adam", "cast"):
-        assert "fma." not in ptx[name, variant], f"{name}.cu ({variant}) has an FMA"
-    body = entry_body(ptx["adam", variant], "adam_step_f32")
+        assert "fma." not in ptx[name], f"{name}.cu has an FMA"
+    body = entry_body(ptx["adam"], "adam_step_f32")
     for instr in ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32", "sub.rn.f32"):
         assert instr in body, f"adam_step_f32: no {instr}"
     assert "sqrt.approx" not in body and "div.approx" not in body and "div.full" not in body
-    # the fp16 conversions are the two exact PTX ones, with cuda_fp16.h or without it
-    assert "cvt.rn.f16.f32" in entry_body(ptx["cast", variant], "cast_f32_to_f16")
-    assert "cvt.f32.f16" in entry_body(ptx["cast", variant], "unscale_f16_to_f32")
+    # the fp16 conversions are the two exact PTX ones cuda_fp16.h's would emit
+    assert "cvt.rn.f16.f32" in entry_body(ptx["cast"], "cast_f32_to_f16")
+    assert "cvt.f32.f16" in entry_body(ptx["cast"], "unscale_f16_to_f32")
 
 
 @needs_nvcc
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_no_kernel_flushes_subnormals_under_cupys_ftz_flag(ptx, variant):
+def test_no_kernel_flushes_subnormals_under_cupys_ftz_flag(ptx):
     """CuPy compiles with -ftz=true; numpy keeps fp32 subnormals, so no instruction of any
     kernel may be the flushing (.ftz) form: sums, products, quotients, square roots, the
     comparisons of max/min and the fp32 -> fp64 widening of the norm."""
     for name in kernels.SOURCES:
-        flushing = sorted(set(re.findall(r"\b[a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*", ptx[name, variant])))
-        assert not flushing, f"{name}.cu ({variant}) flushes subnormals: {flushing}"
+        flushing = sorted(set(re.findall(r"\b[a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*", ptx[name])))
+        assert not flushing, f"{name}.cu flushes subnormals: {flushing}"
     for entry in ("reduce_max_f32", "reduce_min_f32"):
-        assert "setp." in entry_body(ptx["reduce", variant], entry)
+        assert "setp." in entry_body(ptx["reduce"], entry)
 
 
 @needs_nvcc
 def test_flags_are_one_atomic_per_block(ptx):
     for name, entry in (("cast", "unscale_f16_to_f32"), ("cast", "find_nonfinite_f32")):
-        body = entry_body(ptx[name, "file"], entry)
+        body = entry_body(ptx[name], entry)
         assert "bar.red.or.pred" in body and "atom.global.or.b32" in body, entry
 
 
@@ -96,37 +93,20 @@ def test_ptx_assembles_for_sm80(ptx, tmp_path):
         pytest.skip("ptxas not found beside nvcc")
     for name in kernels.SOURCES:
         src = tmp_path / f"{name}.ptx"
-        src.write_text(ptx[name, "file"])
+        src.write_text(ptx[name])
         proc = subprocess.run([ptxas, "-arch=sm_80", str(src), "-o", str(tmp_path / f"{name}.cubin")],
                               capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 0, proc.stderr
 
 
-def test_compile_falls_back_to_own_fp16_only_for_cuda_fp16_errors():
-    calls = []
-
-    def fails_on_header(code, options):
-        calls.append(options)
-        if kernels.NO_CUDA_FP16 not in options:
-            raise RuntimeError('k.cu(32): catastrophic error: could not open source file "cuda_fp16.h"')
-        return "module"
-
-    assert kernels.compile_with_fallback(fails_on_header, "code") == "module"
-    assert calls == [kernels.COMPILE_OPTIONS, kernels.COMPILE_OPTIONS + (kernels.NO_CUDA_FP16,)]
-
-    def syntax_error(code, options):
-        raise RuntimeError("k.cu(3): error: expected a ;")
-
-    with pytest.raises(RuntimeError, match="expected a ;"):
-        kernels.compile_with_fallback(syntax_error, "code")
-
-
 def find_nvrtc():
-    """libnvrtc.so from the nvidia-cuda-nvrtc-cu12 wheel, the CUDA toolkit, or the loader path."""
+    """libnvrtc.so from an nvidia-cuda-nvrtc wheel (-cu12, or 13.x), the CUDA toolkit, or the
+    loader path."""
     candidates = []
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        candidates += sorted(Path(root).glob("cuda_nvrtc/lib/libnvrtc.so*"))
+        for layout in ("cuda_nvrtc/lib", "cu13/lib"):  # the -cu12 wheels' layout, CUDA 13's
+            candidates += sorted(Path(root).glob(f"{layout}/libnvrtc.so*"))
     candidates += sorted(Path("/usr/local/cuda/lib64").glob("libnvrtc.so*"))
     candidates = [c for c in candidates if "builtins" not in c.name and ".alt." not in c.name]
     if candidates:
@@ -166,14 +146,13 @@ def nvrtc_compiler(path):
 
 @pytest.mark.parametrize("name", kernels.SOURCES)
 def test_nvrtc_compiles_the_module_strings(name):
-    """What cupy.RawModule does, without a GPU: NVRTC on module_source(name) with CuPy's
-    ``-ftz=true``, through the loader's fallback (NVRTC alone has no cuda_fp16.h; CuPy adds
-    its own copy); nothing is contracted to an FMA and no instruction flushes subnormals."""
+    """What cupy.RawModule does, without a GPU: NVRTC alone (no CUDA header anywhere) on
+    module_source(name) with ringcomm's options and CuPy's ``-ftz=true``; nothing is
+    contracted to an FMA and no instruction flushes subnormals."""
     path = find_nvrtc()
     if path is None:
         pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12 to run this check)")
     compile_ = nvrtc_compiler(path)
-    text = kernels.compile_with_fallback(lambda code, options: compile_(code, [*options, "-ftz=true"]),
-                                         kernels.module_source(name))
+    text = compile_(kernels.module_source(name), [*kernels.COMPILE_OPTIONS, "-ftz=true"])
     assert sorted(ptx_entries(text)) == sorted(EXPECTED_ENTRIES[name])
     assert "fma." not in text and ".ftz" not in text
