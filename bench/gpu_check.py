@@ -3,24 +3,31 @@
 Run on a machine with a CUDA GPU and CuPy (one without network and without pyzmq gets it as
 a wheel in ``.whl/``, see the README). Steps:
 
-1. environment: CuPy version, devices, whether the kernels compile (``ringcomm.kernels``);
-2. the subnormal probe: the fp32 kernels on subnormal operands (sum, product, max/min ties
+1. environment: CuPy version, devices; then first light: each of the four kernel modules
+   compiled (a failure names the module) and a one-segment staged all-reduce on 2 workers;
+2. the PyTorch backend with CUDA tensors (``import ringcomm.torch`` on 2 workers sharing the
+   GPU): all-reduce of float32 and bfloat16 tensors, an all-gather into one tensor, and 5 DDP
+   steps of a small model, each checked against its closed form or a one-process run (early:
+   it depends on the GPU image's torch);
+3. the subnormal probe: the fp32 kernels on subnormal operands (sum, product, max/min ties
    against zero, the avg division, scale, the fp16 cast, unscale, the inf/NaN check, an
    Adam step, the fp64 norm), bit for bit with their numpy references;
-3. ``pytest tests/gpu`` on the real CuPy, in four steps: the kernels against their numpy
+4. ``pytest tests/gpu`` on the real CuPy, in four steps: the kernels against their numpy
    references; every collective on CuPy arrays at N = 2 and 4 against numpy; the stream
    order probes (the caller on a non-blocking stream, and with per-thread default streams);
    a few training steps of six layouts (ddp, zero3, zero2 offloaded in fp32 and fp16, and
    zero2 fp16 and ddp fp32 with clipping) against the same run on the CPU;
-4. collectives on the GPU: ring vs parameter-server all-reduce at 4 and 64 MiB on 4 workers
+5. collectives on the GPU: ring vs parameter-server all-reduce at 4 and 64 MiB on 4 workers
    sharing the GPU(s), of CuPy arrays (staged through pinned memory) and of numpy arrays
    (the CPU path) in the same job, checked against the closed form, timed (median of 5);
-5. one short training run per strategy with ``--device gpu`` (dp, ddp, zero1, zero2, zero3,
-   zero2 + offload) in fp16, and the GPT on cp2, tp2 + sp (zero3) and pp2 (zero1, recompute),
-   each checked to finish;
-6. the PyTorch backend with CUDA tensors (``import ringcomm.torch`` on 2 workers sharing the
-   GPU): all-reduce of float32 and bfloat16 tensors, an all-gather into one tensor, and 5 DDP
-   steps of a small model, each checked against its closed form or a one-process run.
+6. one short training run (TRAINING_STEPS steps) per strategy with ``--device gpu`` (dp,
+   ddp, zero1, zero2, zero3, zero2 + offload) in fp16, and the GPT on cp2, tp2 + sp (zero3)
+   and pp2 (zero1, recompute), each checked to finish.
+
+Every step is a fresh process group (killed whole when its time is up, launched ranks
+included) and all of them share one CuPy kernel cache (``CUPY_CACHE_DIR``, kept across runs),
+so a kernel is compiled once per machine, not once per process. Each step's seconds are in
+the JSON (``step_seconds``).
 
 Results go to ``OUT/gpu_check.json`` (``--out``; default ``bench/out``) and a summary to
 stdout. The JSON is written after every step and names the steps that did not run, so a run
@@ -31,6 +38,7 @@ when the budget is spent are listed under ``not_run``.
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +49,25 @@ STRATEGIES = [("dp", []), ("ddp", []), ("zero1", []), ("zero2", []), ("zero3", [
               # the GPT on each model-parallel dimension (2 ranks sharing the GPU)
               ("ddp", ["--model", "gpt", "--cp", "2"]), ("zero3", ["--model", "gpt", "--tp", "2", "--sp"]),
               ("zero1", ["--model", "gpt", "--pp", "2", "--micro-batches", "2", "--recompute"])]
+TRAINING_STEPS = 10
+CACHE_DIR = os.path.join(tempfile.gettempdir(), "ringcomm-cupy-cache")  # CuPy's compiled kernels
+FIRST_LIGHT = r'''
+import json, cupy as cp, numpy as np, ringcomm
+from ringcomm import kernels
+comm = ringcomm.init(device="gpu")
+checks = {}
+for name in kernels.SOURCES:  # each module by name: a compile error says which
+    try:
+        kernels._module(name, comm._device.index)
+        checks[f"compile {name}"] = True
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        checks[f"compile {name}"] = f"{type(exc).__name__}: {exc}"[:800]
+x = cp.full(1024, comm.rank + 1, cp.float32)  # one segment, staged through pinned memory
+comm.all_reduce(x)
+checks["staged all_reduce"] = bool((x == comm.world_size * (comm.world_size + 1) / 2).all())
+if comm.rank == 0:
+    print("FIRSTLIGHT " + json.dumps(checks))
+'''
 BENCH = r'''
 import json, statistics, sys, time
 import cupy as cp, numpy as np, ringcomm
@@ -175,7 +202,8 @@ class Steps:
 
     def run(self, name, cmd, timeout, env=None):
         """``cmd``'s CompletedProcess, or None when the budget is spent (the step is listed
-        under not_run) or the step ran out of time (recorded, with what it printed)."""
+        under not_run) or the step ran out of time (recorded, with what it printed, and its
+        whole process group killed: launched ranks must not hold the GPU for the next step)."""
         limit = min(timeout, self.left())
         if limit < MIN_STEP_S:
             self.report["not_run"].append(name)
@@ -183,20 +211,36 @@ class Steps:
             self.save()
             return None
         start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
         try:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            out, err = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, _ = proc.communicate()
+            self.report.setdefault("step_seconds", {})[name] = round(time.perf_counter() - start, 2)
             self.report.setdefault("timed_out", []).append({"step": name, "after_s": limit, "tail": out[-1500:]})
             self.report["ok"] = False
             self.save()
             return None
-        result.seconds = time.perf_counter() - start
+        finally:
+            _kill_group(proc)  # whatever the step left behind (a rank of a failed job)
+        seconds = time.perf_counter() - start
+        self.report.setdefault("step_seconds", {})[name] = round(seconds, 2)
+        result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        result.seconds = seconds
         return result
 
     def save(self):
         with open(self.path, "w") as f:
             json.dump(self.report, f, indent=1)
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
 
 
 def marked(result, tag):
@@ -216,8 +260,9 @@ def main(argv=None):
     steps = Steps(path, args.budget)
     report = steps.report
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    names = ["subnormal probe", *(name for name, _ in PYTESTS), "collectives",
-             *(label(s, e) for s, e in STRATEGIES), "torch backend"]
+    env.setdefault("CUPY_CACHE_DIR", CACHE_DIR)
+    names = ["first light", "torch backend", "subnormal probe", *(name for name, _ in PYTESTS), "collectives",
+             *(label(s, e) for s, e in STRATEGIES)]
 
     try:
         import cupy
@@ -235,6 +280,26 @@ def main(argv=None):
                              "kernels_backend": kernels.backend()}
     print("environment:", report["environment"], flush=True)
     steps.save()
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(FIRST_LIGHT)
+    result = steps.run("first light", [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu",
+                                       f.name], 150, env)
+    if result is not None:
+        report["first_light"] = found = marked(result, "FIRSTLIGHT ")
+        report["ok"] &= "error" not in found and all(v is True for v in found.values())
+        print("first light:", json.dumps(found)[:1500], flush=True)
+        steps.save()
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(TORCH_CHECK)
+    result = steps.run("torch backend", [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu",
+                                         f.name], 150, env)
+    if result is not None:
+        report["torch_backend"] = found = marked(result, "TORCHCHECK ")
+        report["ok"] &= "error" not in found and all(found.values())
+        print("torch backend:", json.dumps(report["torch_backend"])[:1000], flush=True)
+        steps.save()
 
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(SUBNORMAL)
@@ -271,7 +336,8 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as tmp:
             metrics = os.path.join(tmp, "m.json")
             cmd = [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu", "-m", "ringcomm.train",
-                   "--strategy", strategy, *training_args(extra), "--steps", "40", "--metrics-json", metrics]
+                   "--strategy", strategy, *training_args(extra), "--steps", str(TRAINING_STEPS),
+                   "--metrics-json", metrics]
             result = steps.run(label(strategy, extra), cmd, 120, env)
             if result is None:
                 continue
@@ -290,14 +356,6 @@ def main(argv=None):
             print("training:", json.dumps(entry)[:600], flush=True)
             steps.save()
 
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(TORCH_CHECK)
-    result = steps.run("torch backend", [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu",
-                                         f.name], 180, env)
-    if result is not None:
-        report["torch_backend"] = found = marked(result, "TORCHCHECK ")
-        report["ok"] &= "error" not in found and all(found.values())
-        print("torch backend:", json.dumps(report["torch_backend"])[:1000], flush=True)
     steps.save()
     print(f"gpu-check: {'PASSED' if report['ok'] else 'FAILED'}; results in {path}")
     return 0 if report["ok"] else 1

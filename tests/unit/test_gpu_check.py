@@ -4,6 +4,7 @@ what it printed; steps the budget no longer covers are listed as not run."""
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -21,6 +22,7 @@ def test_without_a_gpu_the_json_says_so(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] is False and "no GPU here" in report["error"]
     assert "subnormal probe" in report["not_run"] and "stream order probes" in report["not_run"] and "zero2 --offload --precision fp32" in report["not_run"]
+    assert report["not_run"][:2] == ["first light", "torch backend"]  # what fails first on a new image runs first
 
 
 def test_a_step_out_of_time_and_one_past_the_budget_are_recorded(tmp_path, monkeypatch):
@@ -47,3 +49,36 @@ def test_every_pytest_selection_names_tests_that_exist():
             continue  # a module that skips itself without CuPy (the kernel tests): it is there
         assert proc.returncode == 0, f"{name}: {proc.stdout[-1500:]}{proc.stderr[-1500:]}"
         assert "cuda" in proc.stdout, f"{name} selects no test of the real CuPy: {proc.stdout[-1500:]}"
+
+
+def _alive(pid):
+    """True while ``pid`` runs (a zombie nobody reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_step_out_of_time_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    """A launched job's ranks are the step's grandchildren: they go with it, not on holding
+    the GPU through the next steps; every step's seconds are in the JSON."""
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 0.5)
+    steps = gpu_check.Steps(str(tmp_path / "gpu_check.json"), budget=60)
+    pidfile = tmp_path / "rank.pid"
+    parent = ("import subprocess, sys, time\n"
+              "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pidfile)!r}, 'w').write(str(rank.pid))\n"
+              "print('started', flush=True); time.sleep(120)\n")
+    assert steps.run("hung job", [sys.executable, "-c", parent], timeout=3) is None
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the step's rank outlived it"
+    quick = steps.run("quick", [sys.executable, "-c", "print('ok')"], timeout=30)
+    assert quick.returncode == 0 and quick.stdout.strip() == "ok"
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(report["step_seconds"]) == {"hung job"} and report["step_seconds"]["hung job"] >= 3
+    steps.save()
+    assert set(json.loads((tmp_path / "gpu_check.json").read_text())["step_seconds"]) == {"hung job", "quick"}
