@@ -54,8 +54,9 @@ def linear_backward(h, W, out, dout, relu, need_dh):
     ``(dW, db, dh)``; ``dh`` is None when not needed (first layer).
     """
     d = dout.astype(np.float32, copy=True)
-    if relu:
-        d[out <= 0] = 0
+    if relu:  # zeros where ReLU cut (a where, as torch's: inf or NaN there become 0 too);
+        # not d[out <= 0] = 0, whose boolean mask CuPy counts on the host every time
+        array_module(d).copyto(d, 0, where=out <= 0)
     dW = h.astype(np.float32, copy=False).T @ d
     db = d.sum(axis=0)
     dh = d @ W.astype(np.float32, copy=False).T if need_dh else None
@@ -69,7 +70,8 @@ def softmax_cross_entropy(logits, y, global_batch):
     z = z - z.max(axis=1, keepdims=True)
     logsum = xp.log(xp.exp(z).sum(axis=1))
     rows = xp.arange(len(y))
-    loss_share = float((logsum - z[rows, y]).sum()) / global_batch
+    # fp64, where it is (no host read): the step's one decision brings it over with the rest
+    loss_share = (logsum - z[rows, y]).sum().astype(np.float64) / global_batch
     grad = xp.exp(z - logsum[:, None])
     grad[rows, y] -= 1.0
     grad /= global_batch

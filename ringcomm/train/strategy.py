@@ -64,9 +64,11 @@ class Strategy:
         sum of every rank's ``loss_share`` and whether the step was skipped (fp16 overflow
         anywhere in the job)."""
         grad = self.step_grad()
-        flags = np.array([0.0, 0.0, loss_share])
+        flags = np.zeros(3)
         if grad is not None:
-            grad = self._checked_fp32(grad, flags)
+            grad = self._checked_fp32(grad, flags, loss_share)
+        else:  # nothing on the device to decide: the share alone comes over
+            flags[2] = float(loss_share)
         self.meta.all_reduce(flags)  # overflow anywhere, squared norm of every piece once, loss
         skipped = self.scaler.update(flags[0] > 0)
         if not skipped and grad is not None:
@@ -84,12 +86,13 @@ class Strategy:
         it to the host)."""
         return self.owned_grad()
 
-    def _checked_fp32(self, grad, flags):
+    def _checked_fp32(self, grad, flags, loss_share):
         """A fresh fp32 copy of ``grad`` (clipping scales it in place), with ``flags[0]`` set
-        when it holds inf/NaN and ``flags[1]`` to this rank's share of the squared norm when
-        clipping (0 after an overflow): fp16 is cast, unscaled and checked in one pass (one
-        kernel on a GPU). The flag and the norm stay where the gradient is until one copy
-        brings both to the host for the step's one decision (on a GPU: one wait per step)."""
+        when it holds inf/NaN, ``flags[1]`` to this rank's share of the squared norm when
+        clipping (0 after an overflow) and ``flags[2]`` to ``loss_share``: fp16 is cast,
+        unscaled and checked in one pass (one kernel on a GPU). The flag, the norm and the
+        loss (a device scalar on a GPU) stay where the gradient is until one copy brings
+        them to the host for the step's one decision (on a GPU: one wait per step)."""
         xp = array_module(grad)
         found = xp.zeros(1, np.int32)
         if self.mixed:
@@ -98,12 +101,14 @@ class Strategy:
         else:
             grad = grad.astype(np.float32)
             kernels.found_nonfinite(grad, found=found)
-        decision = xp.zeros(2, np.float64)
+        decision = xp.zeros(3, np.float64)
         decision[0] = found[0]
+        # a host gradient (offloaded) takes the device share's value; a device one, the share
+        decision[2] = float(loss_share) if xp is np else loss_share
         if self.cfg.clip_grad_norm:  # an overflowed gradient's norm is taken, then dropped
             with np.errstate(invalid="ignore", over="ignore"):
                 decision[1] = xp.where(found[0] == 0, self._squared_norm(grad, on_device=True), 0.0)
-        flags[:2] = to_host(decision)
+        flags[:] = to_host(decision)
         return grad
 
     def _squared_norm(self, grad, on_device=False):

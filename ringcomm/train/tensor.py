@@ -83,8 +83,8 @@ class TPLayer:
         """Gradients from ``dout`` (the gradient of this rank's output as ``forward`` returned
         it). Returns ``(dW, db, dh)``, ``dh`` in the layout of this rank's input."""
         d = dout.copy()
-        if relu:
-            d[out <= 0] = 0
+        if relu:  # a where, not a boolean mask: see model.linear_backward
+            array_module(d).copyto(d, 0, where=out <= 0)
         if self.kind == "column" and self.last:
             d = array_module(d).ascontiguousarray(d[:, self.cols])
         dW = h.T @ d

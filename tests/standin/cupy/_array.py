@@ -164,6 +164,8 @@ class ndarray:
         _no_numpy((self, key, value), "setitem")
         for x in _fakes((self, key, value)):
             _check_device(x)
+        if _has_bool_mask(key):  # CuPy counts the mask's True entries on the host first
+            rt.current_stream().synchronize()
         dst, k, v = self._a, _real(key), _real(value)
         rt.current_stream().launch(lambda: dst.__setitem__(k, v), "setitem")
 

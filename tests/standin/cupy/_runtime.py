@@ -4,7 +4,8 @@ Work launched on a stream (a kernel, an element-wise operation, a copy) is **def
 is queued on the stream and carried out only when something forces it, in stream order:
 
 - ``stream.synchronize()``, ``event.synchronize()``, ``Device.synchronize()``: the host waits
-  (counted as ``host waits`` when work was still queued);
+  (each counted as a ``host sync``, and as a ``host wait`` when work was still queued; so is
+  every operation whose result's shape or value the host needs: a boolean mask, a scalar);
 - ``event.done`` carries out one more operation of the event's stream per query that finds
   it pending;
 - an operation queued on stream B after ``B.wait_event(e)`` first completes e's stream up to
@@ -117,6 +118,9 @@ class Stream:
         target = self.resolved()
         _host_waits(target, target._count)
         target.run_until(target._count)
+
+    def _drain(self):
+        self.run_until(self._count)
 
     def record(self, event=None):
         event = event or Event()
@@ -231,7 +235,10 @@ class Event:
 
 
 def _host_waits(stream, position):
-    """Count a synchronisation that finds work still queued: on a GPU the host would block."""
+    """Count a synchronisation ("host syncs": each one stops the host until the GPU is
+    there, which a training step can afford once) and, when it finds work still queued,
+    a wait ("host waits": on a GPU the host would block)."""
+    counts["host syncs"] += 1
     if stream._done < position:
         counts["host waits"] += 1
 
@@ -240,9 +247,12 @@ def _host_waits(stream, position):
 def synchronize_device(device_id=None):
     device_id = current_device() if device_id is None else device_id
     with LOCK:
-        for stream in list(_streams):
-            if stream.device_id == device_id:
-                stream.synchronize()
+        streams = [s for s in list(_streams) if s.device_id == device_id]
+        counts["host syncs"] += 1
+        if any(s._done < s._count for s in streams):
+            counts["host waits"] += 1
+        for stream in streams:
+            stream._drain()
 
 
 # -- host memory CUDA knows about --------------------------------------------------------------
