@@ -122,7 +122,7 @@ torch-suite: $(VENV)/.installed-test
 	$(PY) bench/torch_suite.py --backends gloo,ringcomm --world-sizes 2,3 --out $(TORCH_SUITE_OUT) $(if $(K),-k "$(K)")
 
 lint: install-test
-	$(PY) -m pip install --quiet ruff
+	$(PY) -m pip install --quiet "ruff==0.17.6"
 	$(VENV)/bin/ruff check ringcomm tests bench
 
 clean:

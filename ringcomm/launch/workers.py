@@ -355,7 +355,7 @@ def _run_rounds(cfg, interrupted):
                 log(f"round {rnd} did not start: {go['why']}")
                 return EXIT_FAILURE
             round_cfg = dataclasses.replace(cfg, master_port=go["port"], job_id=go["job"])
-            code = _attempt(round_cfg, rnd, interrupted, lambda: agent.stop_requested(rnd))
+            code = _attempt(round_cfg, rnd, interrupted, lambda rnd=rnd: agent.stop_requested(rnd))
             if code not in (0, EXIT_FAILURE, STOPPED):  # interrupted here: the job ends on every node
                 return _quit(agent, rnd, code - 128)
             if code != STOPPED:
