@@ -24,8 +24,8 @@ a wheel in ``.whl/``, see the README). Steps:
    ddp, zero1, zero2, zero3, zero2 + offload) in fp16, and the GPT on cp2, tp2 + sp (zero3)
    and pp2 (zero1, recompute), each checked to finish.
 
-Every step is a fresh process group (killed whole when its time is up, launched ranks
-included) and all of them share one CuPy kernel cache (``CUPY_CACHE_DIR``, kept across runs),
+Every step is a fresh process group (killed whole when its time is up; ranks a launcher
+started in sessions of their own die with it, by their parent-death signal) and all of them share one CuPy kernel cache (``CUPY_CACHE_DIR``, kept across runs),
 so a kernel is compiled once per machine, not once per process. Each step's seconds are in
 the JSON (``step_seconds``).
 
@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 STRATEGIES = [("dp", []), ("ddp", []), ("zero1", []), ("zero2", []), ("zero3", []), ("zero2", ["--offload"]),
@@ -91,11 +92,11 @@ if r == 0:
 '''
 
 TORCH_CHECK = r'''
-import json, torch, torch.distributed as dist
+import json, os, torch, torch.distributed as dist
 import ringcomm.torch
 dist.init_process_group("ringcomm")
 r, n = dist.get_rank(), dist.get_world_size()
-torch.cuda.set_device(0)
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())  # the rank's GPU
 checks = {}
 for dtype in (torch.float32, torch.bfloat16):
     t = torch.full((1 << 20,), float(r + 1), dtype=dtype, device="cuda")
@@ -213,20 +214,24 @@ class Steps:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
+        # the pipes are read on threads and the wait is on the process: a process the step
+        # left behind (or one stuck in the driver) may hold them open, and must not hold the check
+        out, err = _Reader(proc.stdout), _Reader(proc.stderr)
         try:
-            out, err = proc.communicate(timeout=limit)
+            proc.wait(timeout=limit)
+            timed_out = False
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, _ = proc.communicate()
-            self.report.setdefault("step_seconds", {})[name] = round(time.perf_counter() - start, 2)
-            self.report.setdefault("timed_out", []).append({"step": name, "after_s": limit, "tail": out[-1500:]})
+            timed_out = True
+        _kill_group(proc)  # whatever the step left behind, or all of it when out of time
+        out, err = out.text(), err.text()
+        seconds = time.perf_counter() - start
+        self.report.setdefault("step_seconds", {})[name] = round(seconds, 2)
+        if timed_out:
+            self.report.setdefault("timed_out", []).append({"step": name, "after_s": limit, "tail": out[-1500:],
+                                                            "stderr_tail": err[-1500:]})
             self.report["ok"] = False
             self.save()
             return None
-        finally:
-            _kill_group(proc)  # whatever the step left behind (a rank of a failed job)
-        seconds = time.perf_counter() - start
-        self.report.setdefault("step_seconds", {})[name] = round(seconds, 2)
         result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         result.seconds = seconds
         return result
@@ -234,6 +239,24 @@ class Steps:
     def save(self):
         with open(self.path, "w") as f:
             json.dump(self.report, f, indent=1)
+
+
+class _Reader:
+    """A pipe read to its end on a thread of its own; :meth:`text` waits a little for it."""
+
+    def __init__(self, pipe):
+        self._pipe, self._chunks = pipe, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        for chunk in iter(lambda: self._pipe.read(4096), ""):
+            self._chunks.append(chunk)
+
+    def text(self, wait=5.0):
+        """What was read; the pipe is given up after ``wait`` seconds (a survivor holds it)."""
+        self._thread.join(wait)
+        return "".join(self._chunks)
 
 
 def _kill_group(proc):

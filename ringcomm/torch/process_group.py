@@ -110,6 +110,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         self.comm = comm
         comm.guard_threads = False
         self._gpu = comm.device == "gpu"
+        self._gpu_index = comm._device.index if self._gpu else None  # where CUDA tensors must be
         self._on_shutdown = on_shutdown
         self._group_name = self._group_desc = ""
         self._monitored = 0  # monitored_barrier calls so far
@@ -135,7 +136,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
 
     # -- helpers ----------------------------------------------------------------------------
     def _lend(self, tensors, **kw):
-        return lend(tensors, gpu=self._gpu, **kw)
+        return lend(tensors, gpu=self._gpu, device_index=self._gpu_index, **kw)
 
     def _start(self, opts, loans, result, call, after=None):
         """Start ``call(async_op)``, signed with the loans' view; a TorchWork over what it

@@ -53,7 +53,9 @@ def _view_of(tensor):
     return "bfloat16" if tensor.dtype is torch.bfloat16 else ""
 
 
-def _device(tensors, gpu):
+def _device(tensors, gpu, device_index=None):
+    """True for CUDA tensors (on ``device_index``, the rank's GPU, when given), False for CPU
+    ones; ValueError for anything else or a mix."""
     for t in tensors:
         if t.layout != torch.strided:
             raise ValueError(f"ringcomm: {t.layout} tensors are not supported (dense tensors only)")
@@ -63,6 +65,12 @@ def _device(tensors, gpu):
     if cuda == {True} and not gpu:
         raise ValueError("ringcomm: a CUDA tensor, but this process's ringcomm communicator runs "
                          "on the CPU (init with RINGCOMM_DEVICE=gpu and CuPy installed)")
+    if cuda == {True} and device_index is not None:
+        others = sorted({t.device.index for t in tensors} - {device_index})
+        if others:  # its streams and events are the rank's GPU's: another's would not be ordered
+            raise ValueError(f"ringcomm: a tensor on cuda:{others[0]}, but this rank's communicator "
+                             f"runs on cuda:{device_index} (LOCAL_RANK % device count; "
+                             f"torch.cuda.set_device(that) first)")
     return cuda == {True}
 
 
@@ -120,9 +128,9 @@ class Loan:
     """The array a collective works on for ``tensors``; ``finish()`` copies it back into the
     tensors (outputs only) once the collective has completed. Idempotent."""
 
-    def __init__(self, tensors, *, reducing=False, output=True, copy_in=True, gpu=False):
+    def __init__(self, tensors, *, reducing=False, output=True, copy_in=True, gpu=False, device_index=None):
         self.tensors = list(tensors)
-        cuda = _device(self.tensors, gpu)
+        cuda = _device(self.tensors, gpu, device_index)
         if len({t.dtype for t in self.tensors}) > 1:
             raise ValueError(f"ringcomm: tensors of several dtypes in one collective: "
                              f"{sorted({str(t.dtype) for t in self.tensors})}")
@@ -162,6 +170,8 @@ def _empty(wire, cuda):
     return np.empty(0, dtype=torch.empty(0, dtype=wire).numpy().dtype)
 
 
-def lend(tensors, *, reducing=False, output=True, copy_in=True, gpu=False):
-    """A :class:`Loan` of ``tensors`` (one buffer for all of them, in order)."""
-    return Loan(tensors, reducing=reducing, output=output, copy_in=copy_in, gpu=gpu)
+def lend(tensors, *, reducing=False, output=True, copy_in=True, gpu=False, device_index=None):
+    """A :class:`Loan` of ``tensors`` (one buffer for all of them, in order); ``device_index``:
+    the rank's GPU, which CUDA tensors must be on."""
+    return Loan(tensors, reducing=reducing, output=output, copy_in=copy_in, gpu=gpu,
+                device_index=device_index)

@@ -83,5 +83,9 @@ def test_refusals():
     with pytest.raises(ValueError, match="mixed"):
         _device([SimpleNamespace(is_cuda=True, layout=torch.strided),
                  SimpleNamespace(is_cuda=False, layout=torch.strided)], gpu=True)
+    on = [SimpleNamespace(is_cuda=True, layout=torch.strided, device=SimpleNamespace(index=i)) for i in (1, 0)]
+    assert _device(on[:1], gpu=True, device_index=1)  # the rank's own GPU
+    with pytest.raises(ValueError, match="a tensor on cuda:0, but this rank's communicator runs on cuda:1"):
+        _device(on, gpu=True, device_index=1)
     with pytest.raises(ValueError, match="sparse_coo tensors are not supported"):
         lend([torch.eye(3).to_sparse()], reducing=True)

@@ -82,3 +82,23 @@ def test_a_step_out_of_time_is_killed_with_what_it_started(tmp_path, monkeypatch
     assert set(report["step_seconds"]) == {"hung job"} and report["step_seconds"]["hung job"] >= 3
     steps.save()
     assert set(json.loads((tmp_path / "gpu_check.json").read_text())["step_seconds"]) == {"hung job", "quick"}
+
+
+def test_a_step_that_ends_leaving_a_process_behind_returns_at_once(tmp_path, monkeypatch):
+    """A process the step left behind holds its pipes: the step still ends when its own
+    process does (not at its time limit), with its exit status, and the leftover is killed."""
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 0.5)
+    steps = gpu_check.Steps(str(tmp_path / "gpu_check.json"), budget=120)
+    pidfile = tmp_path / "left.pid"
+    parent = ("import subprocess, sys\n"
+              "left = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pidfile)!r}, 'w').write(str(left.pid))\n"
+              "print('done', flush=True)\n")
+    began = time.monotonic()
+    result = steps.run("leaves one behind", [sys.executable, "-c", parent], timeout=60)
+    assert result is not None and result.returncode == 0 and "done" in result.stdout
+    assert time.monotonic() - began < 20, "the step waited for what it left behind"
+    deadline = time.monotonic() + 5
+    while _alive(int(pidfile.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(int(pidfile.read_text()))

@@ -95,6 +95,13 @@ CHECKS = textwrap.dedent("""
     waiter.wait_event(marker)                    # orders nothing of device 1
     seen["default handle means the current device"] = cp.asnumpy(k, stream=waiter).tolist()
     seen["event of another device refused"] = raises(lambda: one.record(cp.cuda.get_current_stream(0)))
+    with cp.cuda.Device(1):
+        late = cp.arange(4, dtype=cp.float32) + 1   # queued on device 1's default stream
+    # a copy made with device 0 current runs with the array's device current, as CuPy's
+    # get() does: on device 1's default stream, after the work that wrote the array
+    seen["get under the array's device"] = late.get().tolist()
+    with cp.cuda.get_current_stream(1):              # the default stream's handle: any device
+        seen["default handle entered anywhere"] = True
     ix = cp.arange(6, dtype=cp.float32)
     seen["numpy index taken"] = ix[np.array([5, 0])].tolist()
     seen["index uploads"] = cp._runtime.counts["index uploads"]
@@ -129,5 +136,7 @@ def test_the_standin_defers_refuses_and_tracks():
     assert seen["unregistered twice refused"] == "CUDARuntimeError"
     assert all(v != v for v in seen["default handle means the current device"])  # never waited for
     assert seen["event of another device refused"] == "CUDARuntimeError"
+    assert seen["get under the array's device"] == [1.0, 2.0, 3.0, 4.0]
+    assert seen["default handle entered anywhere"]
     assert seen["numpy index taken"] == [5.0, 0.0] and seen["index uploads"] == 1
     assert seen["reshape of a transpose copies"] == [[0.0, 3.0, 1.0, 4.0, 2.0, 5.0], False]

@@ -84,8 +84,10 @@ class ndarray:
         """Device -> host on ``stream`` (default: the current one). ``blocking`` (the default)
         waits for the copy; ``blocking=False`` into pinned ``out`` returns at once and the
         host sees the bytes only once the stream is synchronised."""
-        device = self._buffer.device  # CuPy makes the array's device current for the copy
-        stream = stream or rt.current_stream(device)
+        # CuPy takes the current stream, then makes the array's device current for the copy
+        # (where a default stream's handle means that device's)
+        device = self._buffer.device
+        stream = (stream or rt.current_stream()).resolved(device)
         if out is None:
             out = np.empty(self.shape, self.dtype)
         elif not isinstance(out, np.ndarray) or out.dtype != self.dtype:
@@ -93,7 +95,6 @@ class ndarray:
         elif out.shape != self.shape:
             raise ValueError(f"out must have shape {self.shape}")
         src = self._a
-        stream = stream.resolved(device)
         stream.launch(lambda: np.copyto(out, src), "a device -> host copy", any_device=True)
         if blocking or not rt.is_pinned(out):  # a copy to pageable memory is synchronous
             stream.synchronize()
@@ -110,7 +111,7 @@ class ndarray:
             raise TypeError(f"set: dtype {arr.dtype} into {self.dtype}")
         if arr.shape != self.shape:
             raise ValueError(f"set: shape {arr.shape} into {self.shape}")
-        stream = (stream or rt.current_stream(self._buffer.device)).resolved(self._buffer.device)
+        stream = (stream or rt.current_stream()).resolved(self._buffer.device)  # as get()
         src = _by_address(arr) if rt.is_pinned(arr) else arr.copy()
         dst = self._a
         stream.launch(lambda: np.copyto(dst, src() if callable(src) else src), "a host -> device copy",

@@ -73,20 +73,12 @@ class Stream:
         return not (self.null or self.non_blocking or self.ptds)
 
     def resolved(self, device=None):
-        """The stream this handle denotes while ``device`` (default: the current one) is
-        current: a default stream's handle means that device's (module docstring)."""
-        if not (self.null or self.ptds):
-            return self
-        device = current_device() if device is None else device
-        return default_stream(device, ptds=self.ptds)
+        """This stream (a :class:`DefaultHandle` resolves to a device's default stream)."""
+        return self
 
-    def launch(self, fn, what="work", any_device=False, device=None):
-        """Queue ``fn`` on this stream (a default stream: the one of ``device``, default the
-        current one): a kernel's stream must be of this thread's current device; a copy or
-        an event wait (``any_device``) may go to any device's stream."""
-        target = self.resolved(device)
-        if target is not self:
-            return target.launch(fn, what, any_device)
+    def launch(self, fn, what="work", any_device=False):
+        """Queue ``fn`` on this stream: a kernel's stream must be of this thread's current
+        device; a copy or an event wait (``any_device``) may go to any device's stream."""
         if not any_device and self.device_id != current_device():
             raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: {what} on a stream of device "
                                    f"{self.device_id} while device {current_device()} is current")
@@ -115,9 +107,8 @@ class Stream:
                 self._done += 1
 
     def synchronize(self):
-        target = self.resolved()
-        _host_waits(target, target._count)
-        target.run_until(target._count)
+        _host_waits(self, self._count)
+        self.run_until(self._count)
 
     def _drain(self):
         self.run_until(self._count)
@@ -181,6 +172,49 @@ def _current_streams():
     return streams
 
 
+class DefaultHandle:
+    """The default stream as CuPy hands it out when no stream was made current (its
+    ``Stream.null`` or ``Stream.ptds``): a handle of no device (``device_id`` -1) that
+    means the default stream of whichever device is current where it is used."""
+
+    device_id, non_blocking = -1, False
+
+    def __init__(self, ptds):
+        self.ptds, self.null = ptds, not ptds
+
+    def __repr__(self):
+        return f"<standin {'per-thread default' if self.ptds else 'null'} stream handle>"
+
+    def resolved(self, device=None):
+        """The stream this handle means while ``device`` (default: the current one) is current."""
+        return default_stream(current_device() if device is None else device, self.ptds)
+
+    def launch(self, fn, what="work", any_device=False):
+        return self.resolved().launch(fn, what, any_device)
+
+    def synchronize(self):
+        self.resolved().synchronize()
+
+    def record(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event):
+        self.resolved().wait_event(event)
+
+    def __enter__(self):  # any device may make the default stream current (CuPy's rule)
+        device, streams = current_device(), _current_streams()
+        _entered().append((device, streams.get(device)))
+        streams[device] = self
+        return self
+
+    __exit__ = Stream.__exit__
+
+
+NULL_HANDLE, PTDS_HANDLE = DefaultHandle(ptds=False), DefaultHandle(ptds=True)
+
+
 def default_stream(device, ptds=PER_THREAD_DEFAULT):
     """``device``'s legacy null stream, or this thread's per-thread default stream of it."""
     if not ptds:
@@ -199,7 +233,9 @@ def current_stream(device=None):
     where it is used, see the module docstring)."""
     device = current_device() if device is None else device
     stream = _current_streams().get(device)
-    return stream if stream is not None else default_stream(device)
+    if stream is not None:
+        return stream
+    return PTDS_HANDLE if PER_THREAD_DEFAULT else NULL_HANDLE
 
 
 class Event:
@@ -234,12 +270,13 @@ class Event:
             return False
 
 
-def _host_waits(stream, position):
-    """Count a synchronisation ("host syncs": each one stops the host until the GPU is
-    there, which a training step can afford once) and, when it finds work still queued,
-    a wait ("host waits": on a GPU the host would block)."""
+def _host_waits(stream, position, pending=None):
+    """Count a synchronisation of ``stream`` up to ``position`` ("host syncs": each one
+    stops the host until the GPU is there, which a training step can afford once) and,
+    when it finds work still queued (``pending``, by default that stream's), a wait ("host
+    waits": on a GPU the host would block)."""
     counts["host syncs"] += 1
-    if stream._done < position:
+    if (stream._done < position) if pending is None else pending:
         counts["host waits"] += 1
 
 
@@ -248,9 +285,8 @@ def synchronize_device(device_id=None):
     device_id = current_device() if device_id is None else device_id
     with LOCK:
         streams = [s for s in list(_streams) if s.device_id == device_id]
-        counts["host syncs"] += 1
-        if any(s._done < s._count for s in streams):
-            counts["host waits"] += 1
+        null = null_stream(device_id)  # one synchronisation, of the device's default stream and all
+        _host_waits(null, null._count, pending=any(s._done < s._count for s in streams))
         for stream in streams:
             stream._drain()
 
