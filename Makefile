@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 4
 
-.PHONY: run test install install-test install-bench bench gpu-check gpu-wheels lint clean torch-version torch-suite
+.PHONY: run test install install-test install-bench bench gpu-check gpu-check-standin gpu-wheels lint clean torch-version torch-suite
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,10 @@ gpu-wheels: | $(PY)
 # On a machine with a CUDA GPU and CuPy (no install: such machines may be offline). If a
 # folder .whl/ holds wheels (make gpu-wheels: pyzmq for that machine's Python), they are
 # installed first.
+# The same steps on this machine's CPU against the CuPy stand-in (about 2 minutes).
+gpu-check-standin: $(VENV)/.installed-test
+	$(PY) bench/gpu_check.py --standin --out $(BENCH_OUT)
+
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps \
 	  --no-compile --target /tmp/ringcomm-site .whl/*.whl; fi

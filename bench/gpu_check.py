@@ -29,6 +29,11 @@ started in sessions of their own die with it, by their parent-death signal) and 
 so a kernel is compiled once per machine, not once per process. Each step's seconds are in
 the JSON (``step_seconds``).
 
+``--standin`` runs the same steps on the CPU against the CuPy stand-in of ``tests/standin``
+(the tests/gpu selections take its cases instead of the real CuPy's; the torch step, which
+needs CUDA tensors, is recorded as skipped): the scripts, the step list, the JSON and the
+time limits are tried before a GPU machine's few minutes are spent on them.
+
 Results go to ``OUT/gpu_check.json`` (``--out``; default ``bench/out``) and a summary to
 stdout. The JSON is written after every step and names the steps that did not run, so a run
 cut short (its own ``--budget`` of seconds, a step's time limit, no GPU at all) still says
@@ -178,6 +183,13 @@ PYTESTS = [  # (step, what to select in tests/gpu): the real CuPy only, never th
                                         "zero2_fp16_clip", "ddp_clip")])]
 
 MIN_STEP_S = 10.0  # a step with less time than this left is not started
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STANDIN = os.path.join(ROOT, "tests", "standin")
+
+
+def selection(args, standin):
+    """A tests/gpu selection for the real CuPy, or for the stand-in's cases of the same tests."""
+    return [a.replace("cuda", "standin") for a in args] if standin else list(args)
 
 
 def training_args(extra):
@@ -194,8 +206,8 @@ class Steps:
     """The check's clock and its JSON: each step's time limit is cut to what is left of the
     budget, and the report is written after every step."""
 
-    def __init__(self, path, budget):
-        self.path, self.end = path, time.monotonic() + budget
+    def __init__(self, path, budget, skip=()):
+        self.path, self.end, self.skip = path, time.monotonic() + budget, set(skip)
         self.report = {"ok": True, "not_run": []}
 
     def left(self):
@@ -205,6 +217,9 @@ class Steps:
         """``cmd``'s CompletedProcess, or None when the budget is spent (the step is listed
         under not_run) or the step ran out of time (recorded, with what it printed, and its
         whole process group killed: launched ranks must not hold the GPU for the next step)."""
+        if name in self.skip:
+            self.report.setdefault("skipped", {})[name] = "--skip"
+            return None
         limit = min(timeout, self.left())
         if limit < MIN_STEP_S:
             self.report["not_run"].append(name)
@@ -277,13 +292,21 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check")
+    p.add_argument("--standin", action="store_true", help="on the CPU, against tests/standin's CuPy")
+    p.add_argument("--skip", default="", help="comma-separated step names not to run (recorded as skipped)")
     args = p.parse_args(argv)
+    skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_check.json")
-    steps = Steps(path, args.budget)
+    steps = Steps(path, args.budget, skip)
     report = steps.report
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("CUPY_CACHE_DIR", CACHE_DIR)
+    if args.standin:
+        report["standin"] = True
+        env.update(PYTHONPATH=os.pathsep.join([STANDIN, ROOT, env.get("PYTHONPATH", "")]),
+                   CUPY_STANDIN_DEVICES="4")
+        sys.path.insert(0, STANDIN)
     names = ["first light", "torch backend", "subnormal probe", *(name for name, _ in PYTESTS), "collectives",
              *(label(s, e) for s, e in STRATEGIES)]
 
@@ -299,7 +322,8 @@ def main(argv=None):
         return 2
     from ringcomm import kernels
     report["environment"] = {"cupy": cupy.__version__, "devices": cupy.cuda.runtime.getDeviceCount(),
-                             "name": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                             "name": "the CuPy stand-in" if args.standin else
+                             cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                              "kernels_backend": kernels.backend()}
     print("environment:", report["environment"], flush=True)
     steps.save()
@@ -314,9 +338,11 @@ def main(argv=None):
         print("first light:", json.dumps(found)[:1500], flush=True)
         steps.save()
 
+    if args.standin:  # torch's CUDA tensors need a GPU
+        report.setdefault("skipped", {})["torch backend"] = "the stand-in has no CUDA tensors"
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(TORCH_CHECK)
-    result = steps.run("torch backend", [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu",
+    result = None if args.standin else steps.run("torch backend", [sys.executable, "-m", "ringcomm.launch", "--nproc", "2", "--device", "gpu",
                                          f.name], 150, env)
     if result is not None:
         report["torch_backend"] = found = marked(result, "TORCHCHECK ")
@@ -334,8 +360,9 @@ def main(argv=None):
         steps.save()
 
     report["gpu_tests"] = {}
-    for name, selection in PYTESTS:
-        result = steps.run(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *selection], 150, env)
+    for name, tests in PYTESTS:
+        result = steps.run(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
+                                  *selection(tests, args.standin)], 150, env)
         if result is None:
             continue
         report["gpu_tests"][name] = {"returncode": result.returncode, "seconds": result.seconds,

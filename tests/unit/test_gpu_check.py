@@ -102,3 +102,24 @@ def test_a_step_that_ends_leaving_a_process_behind_returns_at_once(tmp_path, mon
     while _alive(int(pidfile.read_text())) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(int(pidfile.read_text()))
+
+
+@pytest.mark.timeout(300)
+def test_every_step_runs_on_the_standin(tmp_path):
+    """gpu-check's own scripts (first light, the subnormal probe, the collective benchmark,
+    the training runs, GPT layouts included) run and pass on the CuPy stand-in within their
+    time limits; the tests/gpu steps are skipped here, as make test runs them already."""
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    pytests = ",".join(name for name, _ in gpu_check.PYTESTS)
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--standin", "--out", str(tmp_path),
+                           "--skip", pytests], cwd=root, capture_output=True, text=True, timeout=280)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert proc.returncode == 0 and report["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["standin"] and not report["not_run"] and "timed_out" not in report
+    ran = set(report["step_seconds"])
+    assert ran == {"first light", "subnormal probe", "collectives",
+                   *(gpu_check.label(s, e) for s, e in gpu_check.STRATEGIES)}, ran
+    assert set(report["skipped"]) == {"torch backend", *(name for name, _ in gpu_check.PYTESTS)}
+    assert all(row["wrong"] == 0 for row in report["collectives"]["rows"])
+    assert len(report["training"]) == len(gpu_check.STRATEGIES)
