@@ -102,6 +102,12 @@ CHECKS = textwrap.dedent("""
     seen["get under the array's device"] = late.get().tolist()
     with cp.cuda.get_current_stream(1):              # the default stream's handle: any device
         seen["default handle entered anywhere"] = True
+    m0 = cp._runtime.counts["device mallocs"]
+    tmp = cp.empty(1000, cp.float32); del tmp          # freed into the pool
+    again = cp.empty(1000, cp.float32)                 # served by the freed block
+    kept = cp.empty(1000, cp.float32)                  # the pool has none left: a malloc
+    seen["pool"] = cp._runtime.counts["device mallocs"] - m0
+    del again, kept
     ix = cp.arange(6, dtype=cp.float32)
     seen["numpy index taken"] = ix[np.array([5, 0])].tolist()
     seen["index uploads"] = cp._runtime.counts["index uploads"]
@@ -137,6 +143,7 @@ def test_the_standin_defers_refuses_and_tracks():
     assert all(v != v for v in seen["default handle means the current device"])  # never waited for
     assert seen["event of another device refused"] == "CUDARuntimeError"
     assert seen["get under the array's device"] == [1.0, 2.0, 3.0, 4.0]
+    assert seen["pool"] == 2  # the first block, then the one the pool could not serve
     assert seen["default handle entered anywhere"]
     assert seen["numpy index taken"] == [5.0, 0.0] and seen["index uploads"] == 1
     assert seen["reshape of a transpose copies"] == [[0.0, 3.0, 1.0, 4.0, 2.0, 5.0], False]

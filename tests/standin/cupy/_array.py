@@ -18,6 +18,8 @@ from . import _runtime as rt
 DATA_DEPENDENT = {"nonzero", "flatnonzero", "argwhere", "unique", "compress", "extract",
                   "array_equal", "allclose"}
 allocated = {"bytes": 0, "peak": 0}  # device memory held by live buffers
+POOL_ROUND = 512  # CuPy's memory pool rounds every allocation up to this
+_free_blocks = {}  # (device, rounded size) -> blocks freed into the pool and not yet reused
 
 
 def poison(shape, dtype):
@@ -28,17 +30,26 @@ def poison(shape, dtype):
 
 
 class _Buffer:
-    """One device allocation; counted while alive."""
-    __slots__ = ("data", "device", "__weakref__")
+    """One device allocation, from a model of CuPy's memory pool: a freed block is kept for
+    the next allocation of its rounded size, and only a request the pool cannot serve is
+    a "device malloc" (cudaMalloc, which a warmed-up training step should never need; the
+    model splits and merges no blocks, so it counts at least as many as CuPy would)."""
+    __slots__ = ("data", "device", "_block", "__weakref__")
 
     def __init__(self, data, device):
         self.data, self.device = data, device
+        self._block = (device, -(-max(data.nbytes, 1) // POOL_ROUND) * POOL_ROUND)
         rt.counts["allocations"] += 1
+        if _free_blocks.get(self._block, 0):
+            _free_blocks[self._block] -= 1
+        else:
+            rt.counts["device mallocs"] += 1
         allocated["bytes"] += data.nbytes
         allocated["peak"] = max(allocated["peak"], allocated["bytes"])
 
     def __del__(self):
         allocated["bytes"] -= self.data.nbytes
+        _free_blocks[self._block] = _free_blocks.get(self._block, 0) + 1
 
 
 class ndarray:
