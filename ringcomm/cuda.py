@@ -28,6 +28,7 @@ class CudaDevice(StagedDevice):
         self.stream = cupy.cuda.Stream(non_blocking=True)  # the communication stream
         self._registered = {}  # lane slot address -> registered with CUDA (False: refused)
         self._held = collections.deque()  # (event, received host array) copies in flight
+        self._spare = []  # events of finished segment copies, recorded again for the next ones
         super().__init__(slot_bytes)
 
     def _pin(self, window):
@@ -50,7 +51,12 @@ class CudaDevice(StagedDevice):
     def release(self):
         held = self._held
         while held and held[0][0].done:
-            held.popleft()
+            self._spare.append(held.popleft()[0])
+
+    def finished(self, staged):
+        if staged.event is not None:
+            self._spare.append(staged.event)
+            staged.event = None
 
     def settle(self):
         try:
@@ -62,6 +68,7 @@ class CudaDevice(StagedDevice):
         # on the rank's device: every copy into or out of a slot is done before it goes
         with self.cupy.cuda.Device(self.index):
             self.settle()
+            self._spare.extend(event for event, _ in self._held)
             self._held.clear()
             for address, registered in self._registered.items():
                 if registered:
@@ -94,7 +101,7 @@ class CudaDevice(StagedDevice):
         # be recorded on its own device's, so a thread that never made the device current
         # (a torch completer, a user's thread) would order another device's work, or fail
         with self.cupy.cuda.Device(self.index):
-            return self.cupy.cuda.get_current_stream(self.index).record(self._event())
+            return self.cupy.cuda.get_current_stream(self.index).record(self._fresh_event())
 
     @contextlib.contextmanager
     def running(self, ready):
@@ -108,11 +115,17 @@ class CudaDevice(StagedDevice):
 
     def done(self):
         self.release()
-        return self.stream.record(self._event())
+        return self.stream.record(self._fresh_event())
 
     def _event(self):
-        # made on the rank's device (an event belongs to the device current when it is
-        # made); ordering only: no timestamps
+        # a segment copy's event: one that finished before (a stream that waited on it has
+        # its wait already; nothing else looks at it again), else a new one
+        return self._spare.pop() if self._spare else self._fresh_event()
+
+    def _fresh_event(self):
+        # a call's events (ready, done) are the caller's to keep: never reused. Made on the
+        # rank's device (an event belongs to the device current when it is made); ordering
+        # only: no timestamps
         with self.cupy.cuda.Device(self.index):
             return self.cupy.cuda.Event(disable_timing=True)
 

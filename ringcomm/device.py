@@ -206,6 +206,10 @@ class StagedDevice(HostDevice):
     def _hold(self, host):
         """Keep ``host`` alive until the copy just queued from it is done."""
 
+    def finished(self, staged):
+        """``staged`` (from :meth:`stage_out`) is done and will not be looked at again: a
+        device may reuse what it holds (its event)."""
+
     def settle(self):
         """Best effort, after a failure: wait until the device's queued copies are done."""
 

@@ -115,6 +115,7 @@ class Link:
         dst, key, staged = self._staged[0]
         staged.wait()
         self._staged.popleft()
+        self.device.finished(staged)
         host, staged.host = staged.host, None  # no array over a slot outlives its hand-over
         if staged.slot is None:  # the transport copies before send returns: the buffer is free
             self.transport.send(dst, key, self.sig, host.view(np.uint8), copy=True)
@@ -159,6 +160,7 @@ class Link:
             if segment.slot is not None:
                 try:
                     segment.wait()
+                    self.device.finished(segment)
                 except BaseException:  # noqa: BLE001 - the device failed: its copy lands nowhere now
                     pass
                 self.transport.give_back_slot(dst, segment.slot)

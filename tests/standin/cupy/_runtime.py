@@ -240,6 +240,7 @@ def current_stream(device=None):
 
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
+        counts["events"] += 1
         self.device_id = current_device()  # an event belongs to the device current when made
         self._stream, self._position = None, 0
 
