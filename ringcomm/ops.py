@@ -13,6 +13,7 @@ from enum import Enum
 import numpy as np
 
 from . import kernels
+from .device import array_module
 from .kernels.reference import BITWISE, UFUNCS
 
 
@@ -73,14 +74,15 @@ def reduce_into(op, acc, incoming):
     return _UFUNC[op](acc, incoming, out=acc)
 
 
-def reduced(op, a, b, out=None):
-    """``a (op) b`` into ``out``, or into a new array when ``out`` is None."""
+def reduced(op, a, b, out=None, reuse_b=False):
+    """``a (op) b`` into ``out`` (which may be ``a`` or ``b``), or into a new array when
+    ``out`` is None; ``reuse_b``: ``b`` is a device buffer the caller is done with (a received
+    segment in the landing buffer), which takes the result instead of a new array. On a GPU
+    one pass (kernels/reduce.cu's ``reduce_out_*``), with no copy of ``a`` first."""
     if not isinstance(a, np.ndarray):
         if out is None:
-            out = a.copy()
-        else:
-            out[...] = a
-        return kernels.reduce(op.value, out, b)
+            out = b if reuse_b else array_module(a).empty_like(a)
+        return kernels.reduce(op.value, a, b, out=out)
     return _UFUNC[op](a, b, out=out)
 
 

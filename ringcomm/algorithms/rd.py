@@ -27,7 +27,7 @@ def _exchange(link, peer, rnd, x, segs, op):
         if peer > link.rank:
             reduce_into(op, x[sl], incoming)
         else:  # the lower rank's values first on both sides: identical bits even for ±0, NaN
-            x[sl] = reduced(op, incoming, x[sl])
+            reduced(op, incoming, x[sl], out=x[sl])
 
 
 def all_reduce(link, x, op):

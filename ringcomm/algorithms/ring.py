@@ -137,8 +137,8 @@ def reduce_scatter(link, out, x, op):
     def on_receive(step, j, data):
         c = chunk_index(step)
         sl = table[c][j]
-        if step < n - 2:
-            return reduced(op, x[sl], data)
+        if step < n - 2:  # passed on at once: a received device segment takes the sum
+            return reduced(op, x[sl], data, reuse_b=True)
         dst = out[sl.start - c * m: sl.stop - c * m]
         reduced(op, x[sl], data, out=dst)
         finalize(op, dst, n)
@@ -198,7 +198,7 @@ def reduce(link, x, root, op):
         if pos == n - 1:
             finalize(op, reduce_into(op, x[sl], data), n)
         else:
-            link.send(right, 0, j, reduced(op, x[sl], data))
+            link.send(right, 0, j, reduced(op, x[sl], data, reuse_b=True))
 
 
 def barrier(link):

@@ -44,8 +44,10 @@ _REDUCE_OPS = ("sum", "prod", "max", "min")
 
 def _entry_points():
     """Every ``extern "C" __global__`` name each source defines (checked against the PTX)."""
-    reduce_entries = [f"reduce_{op}_{sfx}" for sfx in _SUFFIX.values() for op in _REDUCE_OPS]
-    reduce_entries += [f"reduce_{op}_{sfx}" for sfx in ("i32", "i64") for op in reference.BITWISE]
+    reduce_entries = [f"reduce{form}_{op}_{sfx}" for form in ("", "_out") for sfx in _SUFFIX.values()
+                      for op in _REDUCE_OPS]
+    reduce_entries += [f"reduce{form}_{op}_{sfx}" for form in ("", "_out") for sfx in ("i32", "i64")
+                       for op in reference.BITWISE]
     reduce_entries += [f"divide_{sfx}" for sfx in ("f16", "f32", "f64")] + ["scale_f32"]
     return {
         "reduce": tuple(reduce_entries),
@@ -188,11 +190,13 @@ def _flag(cp):
 
 # -- reduce.cu ----------------------------------------------------------------------------------
 
-def reduce(op, acc, incoming):
-    """In place: ``acc = acc (op) incoming``; returns ``acc`` (``ringcomm.ops.reduce_into``)."""
+def reduce(op, acc, incoming, out=None):
+    """In place: ``acc = acc (op) incoming``; returns ``acc`` (``ringcomm.ops.reduce_into``).
+    With ``out`` (which may be ``incoming``): ``out = acc (op) incoming``, ``acc`` unchanged,
+    one pass (``reduce_out_*``); returns ``out``."""
     ref = reference
-    if not _on_gpu(acc, incoming):
-        return ref.reduce(op, acc, incoming)
+    if not _on_gpu(acc, incoming, out):
+        return ref.reduce(op, acc, incoming, out)
     name = ref.op_name(op)
     if incoming.dtype != acc.dtype:
         raise TypeError(f"dtypes differ: acc {acc.dtype.name}, incoming {incoming.dtype.name}")
@@ -200,9 +204,16 @@ def reduce(op, acc, incoming):
     _same_size(acc=acc, incoming=incoming)
     kernel_op = "sum" if name == "avg" else name
     a, b = _flat(acc, "acc"), _flat(incoming, "incoming")
-    _launch("reduce", f"reduce_{kernel_op}_{_SUFFIX[acc.dtype.name]}", a.size,
-            (a, b, np.int64(a.size)))
-    return acc
+    if out is None:
+        _launch("reduce", f"reduce_{kernel_op}_{_SUFFIX[acc.dtype.name]}", a.size,
+                (a, b, np.int64(a.size)))
+        return acc
+    if out.dtype != acc.dtype:
+        raise TypeError(f"dtypes differ: acc {acc.dtype.name}, out {out.dtype.name}")
+    _same_size(acc=acc, out=out)
+    _launch("reduce", f"reduce_out_{kernel_op}_{_SUFFIX[acc.dtype.name]}", a.size,
+            (_flat(out, "out"), a, b, np.int64(a.size)))
+    return out
 
 
 def _unsupported(fn, got, supported):

@@ -1,11 +1,15 @@
 // Element-wise reduction of a received chunk into the accumulator, in place:
 //     acc[i] = acc[i] (op) incoming[i]          (ringcomm.ops.reduce_into; numpy ufuncs)
+// or into a third array, which may be either operand (a partial sum passed on in the
+// received chunk's buffer, with no copy of the accumulator first):
+//     out[i] = a[i] (op) b[i]                   (ringcomm.ops.reduced; ufunc(a, b, out=out))
 // and the in-place scalings that finish a result:
 //     divide_*:  x[i] = x[i] / divisor          (ringcomm.ops.finalize for avg)
 //     scale_f32: x[i] = x[i] * factor           (numpy: x *= factor; Strategy.update's clipping)
 //
 // Entry points: reduce_{sum,prod,max,min}_{f16,f32,f64,i32,i64}(acc, incoming, n),
 //               reduce_{band,bor,bxor}_{i32,i64}(acc, incoming, n),
+//               reduce_out_<op>_<type>(out, a, b, n) for each of those (a plays acc),
 //               divide_{f16,f32,f64}(x, divisor, n), scale_f32(x, factor, n).
 // Arrays are flat and contiguous; n is the element count. fp16 scalars are passed as fp32
 // holding an fp16 value (numpy casts a Python scalar to the array's dtype first).
@@ -86,6 +90,22 @@ __device__ __forceinline__ void select_impl(T* acc, const T* incoming, long long
     }
 }
 
+// out = a (op) b: each thread reads a[i] and b[i] before it writes out[i], so out may be a or b
+template <class T, class Op>
+__device__ __forceinline__ void reduce_out_impl(T* out, const T* a, const T* b, long long n) {
+    typedef Compute<T> C;
+    RC_GRID_STRIDE(i, n) { out[i] = C::store(Op::apply(C::load(a[i]), C::load(b[i]))); }
+}
+
+template <class T, class Op>
+__device__ __forceinline__ void select_out_impl(T* out, const T* a, const T* b, long long n) {
+    typedef Compute<T> C;
+    RC_GRID_STRIDE(i, n) {
+        const T x = a[i], y = b[i];
+        out[i] = Op::keep_acc(C::load(x), C::load(y), TieToAcc<T>::value) ? x : y;
+    }
+}
+
 template <class T>
 __device__ __forceinline__ void divide_impl(T* x, typename Compute<T>::type divisor, long long n) {
     typedef Compute<T> C;
@@ -100,11 +120,21 @@ __device__ __forceinline__ void divide_impl(T* x, typename Compute<T>::type divi
         rc::impl<T, rc::Op>(acc, incoming, n);                                            \
     }
 
+#define RC_REDUCE_OUT_ENTRY(opname, impl, Op, suffix, T)                                   \
+    extern "C" __global__ void reduce_out_##opname##_##suffix(T* out, const T* a,         \
+                                                              const T* b, long long n) {  \
+        rc::impl<T, rc::Op>(out, a, b, n);                                                \
+    }
+
 #define RC_REDUCE_ALL_OPS(suffix, T)                                                       \
     RC_REDUCE_ENTRY(sum, reduce_impl, OpSum, suffix, T)                                    \
     RC_REDUCE_ENTRY(prod, reduce_impl, OpProd, suffix, T)                                  \
     RC_REDUCE_ENTRY(max, select_impl, OpMax, suffix, T)                                    \
-    RC_REDUCE_ENTRY(min, select_impl, OpMin, suffix, T)
+    RC_REDUCE_ENTRY(min, select_impl, OpMin, suffix, T)                                    \
+    RC_REDUCE_OUT_ENTRY(sum, reduce_out_impl, OpSum, suffix, T)                            \
+    RC_REDUCE_OUT_ENTRY(prod, reduce_out_impl, OpProd, suffix, T)                          \
+    RC_REDUCE_OUT_ENTRY(max, select_out_impl, OpMax, suffix, T)                            \
+    RC_REDUCE_OUT_ENTRY(min, select_out_impl, OpMin, suffix, T)
 
 RC_REDUCE_ALL_OPS(f16, rc::half)
 RC_REDUCE_ALL_OPS(f32, float)
@@ -115,7 +145,10 @@ RC_REDUCE_ALL_OPS(i64, long long)
 #define RC_REDUCE_BITWISE(suffix, T)                                                       \
     RC_REDUCE_ENTRY(band, reduce_impl, OpBand, suffix, T)                                  \
     RC_REDUCE_ENTRY(bor, reduce_impl, OpBor, suffix, T)                                    \
-    RC_REDUCE_ENTRY(bxor, reduce_impl, OpBxor, suffix, T)
+    RC_REDUCE_ENTRY(bxor, reduce_impl, OpBxor, suffix, T)                                  \
+    RC_REDUCE_OUT_ENTRY(band, reduce_out_impl, OpBand, suffix, T)                          \
+    RC_REDUCE_OUT_ENTRY(bor, reduce_out_impl, OpBor, suffix, T)                            \
+    RC_REDUCE_OUT_ENTRY(bxor, reduce_out_impl, OpBxor, suffix, T)
 
 RC_REDUCE_BITWISE(i32, int)
 RC_REDUCE_BITWISE(i64, long long)

@@ -49,13 +49,14 @@ def op_name(op):
     return name.lower()
 
 
-def reduce(op, acc, incoming):
+def reduce(op, acc, incoming, out=None):
     """In place: ``acc = acc (op) incoming``; returns ``acc``. ``avg`` adds (see :func:`finalize`).
+    With ``out`` (which may be ``incoming``): ``out = acc (op) incoming``; returns ``out``.
 
     fp16 is computed by numpy as fp32 rounded once to fp16, integers wrap, max/min propagate
-    NaN -- the kernel's ``reduce_<op>_<dtype>``.
+    NaN -- the kernel's ``reduce_<op>_<dtype>`` (``reduce_out_<op>_<dtype>`` with ``out``).
     """
-    return UFUNCS[op_name(op)](acc, incoming, out=acc)
+    return UFUNCS[op_name(op)](acc, incoming, out=acc if out is None else out)
 
 
 def scale(x, factor):

@@ -275,8 +275,15 @@ STAGING = textwrap.dedent("""
     reduced = {"allocations": counts["allocations"] - before.get("allocations", 0),
                "events": counts["events"] - before.get("events", 0)}
     ok &= bool((y == cp.arange(segments * 65536, dtype=cp.float32) * (n * (n + 1) // 2)).all())
+    part = cp.empty(segments * 65536 // n, cp.float32)
+    whole = cp.arange(part.size * n, dtype=cp.float32) * (r + 1)
+    comm.reduce_scatter(part, whole + 0, algorithm="ring")  # warm-up
+    before = dict(counts)
+    comm.reduce_scatter(part, whole, algorithm="ring")  # partial sums pass on in received buffers
+    scattered = {"allocations": counts["allocations"] - before.get("allocations", 0)}
+    ok &= bool((part == cp.arange(part.size * r, part.size * (r + 1), dtype=cp.float32) * (n * (n + 1) // 2)).all())
     comm.close()  # the lanes' registrations are undone before they are unmapped
-    print("STAGING", json.dumps({"ok": ok, "broadcast": broadcast, "reduced": reduced,
+    print("STAGING", json.dumps({"ok": ok, "broadcast": broadcast, "reduced": reduced, "scattered": scattered,
                                  "registered_after_close": _runtime.pinned_bytes.get("registered", 0)}))
 """)
 
@@ -293,6 +300,7 @@ def test_staging_is_double_buffered_and_receives_reuse_device_memory(backend):
         line, broadcast = json.dumps(got), got["broadcast"]
         assert got["ok"], line
         assert got["reduced"]["allocations"] == 0, f"rank {rank}: device memory per received segment: {line}"
+        assert got["scattered"]["allocations"] == 0, f"rank {rank}: device memory per partial sum: {line}"
         assert broadcast["allocations"] == 0, f"rank {rank}: {line}"
         # a warmed-up call's segment copies reuse events: only the call's own are new (the
         # caller's "ready" and the call's "done", per collective), none per segment

@@ -17,9 +17,9 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "ringcomm" / "kernels"
 # Written out here, not derived from ringcomm.kernels.ENTRY_POINTS, so a typo on either side
 # shows up.
 EXPECTED_ENTRIES = {
-    "reduce": [f"reduce_{op}_{t}" for op in ("sum", "prod", "max", "min")
+    "reduce": [f"reduce{form}_{op}_{t}" for form in ("", "_out") for op in ("sum", "prod", "max", "min")
                for t in ("f16", "f32", "f64", "i32", "i64")]
-    + [f"reduce_{op}_{t}" for op in ("band", "bor", "bxor") for t in ("i32", "i64")]
+    + [f"reduce{form}_{op}_{t}" for form in ("", "_out") for op in ("band", "bor", "bxor") for t in ("i32", "i64")]
     + ["divide_f16", "divide_f32", "divide_f64", "scale_f32"],
     "adam": ["adam_step_f32"],
     "cast": ["cast_f32_to_f16", "unscale_f16_to_f32", "find_nonfinite_f32"],

@@ -69,6 +69,8 @@ def test_dispatch_on_numpy_arrays_is_the_reference():
                 continue
             expected = ref.reduce(op, a.copy(), b)
             assert_same_bits(kernels.reduce(op, a.copy(), b), expected)
+            out = b.copy()
+            assert_same_bits(kernels.reduce(op, a, out, out=out), expected)
         if dtype.kind == "f":
             assert_same_bits(kernels.finalize("avg", a.copy(), 3), ref.finalize("avg", a.copy(), 3))
             assert_same_bits(kernels.scale(a.copy(), 0.3), ref.scale(a.copy(), 0.3))
@@ -225,9 +227,11 @@ def test_cupy_path_launches_match_the_ptx_signatures(fake_gpu):
     for dtype in ref.REDUCE_DTYPES:
         for op in ("sum", "prod", "max", "min", "avg"):
             kernels.reduce(op, dev(dtype), dev(dtype))
+            kernels.reduce(op, dev(dtype), dev(dtype), out=dev(dtype))
         if dtype.kind == "i":
             for op in ref.BITWISE:
                 kernels.reduce(op, dev(dtype), dev(dtype))
+                kernels.reduce(op, dev(dtype), dev(dtype), out=dev(dtype))
         if dtype.kind == "f":
             kernels.finalize("avg", dev(dtype), 4)
     kernels.scale(dev(np.float32), 0.5)
@@ -347,6 +351,13 @@ def test_cupy_path_computes_what_the_references_compute(fake_gpu):
                 kernels.reduce(op, dev, FakeArray(b.copy()))
                 ref.reduce(op, host, b)
             assert_same_bits(dev.data, host) if op in ("max", "min") else assert_same_values(dev.data, host)
+            # out = a (op) b into b's own buffer (a received segment passed on): the same bits,
+            # a unchanged
+            first, second = FakeArray(a.copy()), FakeArray(b.copy())
+            with np.errstate(all="ignore"):
+                assert kernels.reduce(op, first, second, out=second) is second
+            assert_same_bits(second.data, dev.data) if op in ("max", "min") else assert_same_values(second.data, dev.data)
+            assert_same_bits(first.data, a)
         if dtype.kind == "f":
             scaling = ((kernels.scale, 0.1),) if dtype == np.float32 else ()  # scale_f32 only
             for fn, arg in (*scaling, (kernels.divide, 3), (kernels.finalize, 5)):

@@ -19,8 +19,12 @@ def model(name, grid, block, a):
             a[0][:block[0]] += f32(1)
             return
         if name.startswith("reduce_"):
-            acc, inc, n = a
-            op = name.split("_")[1]
+            if name.startswith("reduce_out_"):  # out = a (op) b: model it on a copy of a
+                out, first, inc, n = a
+                acc, op = first.copy(), name.split("_")[2]
+            else:
+                acc, inc, n = a
+                out, op = None, name.split("_")[1]
             if op in ("max", "min"):
                 keep = acc > inc if op == "max" else acc < inc
                 if acc.dtype.kind == "f":
@@ -39,6 +43,8 @@ def model(name, grid, block, a):
                 else:
                     c = f32 if acc.dtype == np.float16 else acc.dtype.type
                     acc[...] = f(acc.astype(c), inc.astype(c)).astype(acc.dtype)
+            if out is not None:
+                out[...] = acc
         elif name.startswith("divide_"):
             x, divisor, n = a
             c = f32 if x.dtype == np.float16 else x.dtype.type
