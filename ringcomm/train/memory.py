@@ -73,8 +73,9 @@ class MemoryRegistry:
         self._peak = defaultdict(int)
         self._peak_total = 0
 
-    def alloc(self, category, name, shape, dtype, xp=None):
-        """A zeroed array recorded under ``category``; ``name`` must be unique while live."""
+    def alloc(self, category, name, shape, dtype, xp=None, zeroed=True):
+        """A zeroed array (``zeroed=False``: uninitialised, for a buffer the caller fills
+        whole) recorded under ``category``; ``name`` must be unique while live."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}")
         if name in self._live:
@@ -82,7 +83,7 @@ class MemoryRegistry:
         if xp is None and category == "optimizer_host" and self.xp is not np:
             array = _pinned_zeros(shape, dtype)  # host memory the GPU copies fast
         else:
-            array = (xp or self.xp).zeros(shape, dtype)
+            array = ((xp or self.xp).zeros if zeroed else (xp or self.xp).empty)(shape, dtype)
         self._live[name] = (category, array.nbytes)
         self._current[category] += array.nbytes
         self._peak[category] = max(self._peak[category], self._current[category])

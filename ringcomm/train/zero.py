@@ -108,7 +108,8 @@ class Zero(Strategy):
     def _gather(self, unit):
         if unit.index in self._gathered:
             return
-        buffer = self.reg.alloc("params", f"gathered unit {unit.index}", unit.padded, self.dtype)
+        # the all-gather writes every element: no zeroing pass first
+        buffer = self.reg.alloc("params", f"gathered unit {unit.index}", unit.padded, self.dtype, zeroed=False)
         mine = buffer[self.rank * unit.shard_size:(self.rank + 1) * unit.shard_size]
         mine[...] = self.layout.shard_view(self.param_shard, unit)
         work = self.comm.all_gather(buffer, mine, algorithm=self.algorithm, async_op=True)
