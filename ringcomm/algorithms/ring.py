@@ -121,7 +121,8 @@ def _all_reduce_steps(link, x, op, table, start, stop):
 def reduce_scatter(link, out, x, op):
     """``out`` (m elements) gets chunk ``rank`` of ``op`` over all ranks' ``x`` (n·m elements).
 
-    ``x`` is not modified: partial sums travel in fresh arrays. Chunk indices are shifted by
+    ``x`` is not modified: partial sums travel in fresh arrays (on a GPU, in the received
+    segment's landing buffer). Chunk indices are shifted by
     one against :func:`all_reduce` so that rank r finishes chunk r.
     """
     n, r, m = link.size, link.rank, out.size
@@ -137,7 +138,8 @@ def reduce_scatter(link, out, x, op):
     def on_receive(step, j, data):
         c = chunk_index(step)
         sl = table[c][j]
-        if step < n - 2:  # passed on at once: a received device segment takes the sum
+        if step < n - 2:  # passed on at once: a received device segment takes the sum (safe
+            # because send queues its copy out before the next receive lands, on one stream)
             return reduced(op, x[sl], data, reuse_b=True)
         dst = out[sl.start - c * m: sl.stop - c * m]
         reduced(op, x[sl], data, out=dst)
