@@ -160,6 +160,15 @@ def spawn_job(script, world_size, env=None, timeout=60.0):
     return results
 
 
+def job_outputs(script, world_size, env=None, timeout=60.0):
+    """What each rank of ``spawn_job(script, ...)`` printed, once every rank exited with 0
+    (else an assertion naming the first rank that did not, with its stderr's tail)."""
+    results = spawn_job(script, world_size, env=env, timeout=timeout)
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 0, f"rank {rank}: exit {code}: {err[-3000:]}"
+    return [out for _, out, _ in results]
+
+
 def refusals(calls):
     """``{name: the exception's type name, or None}`` for each misuse ``calls[name]()``, which
     must raise TypeError or ValueError (anything else fails the test)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import spawn_job
+from harness import job_outputs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,14 +35,6 @@ def backend(request):
         return "cuda", {}
     path = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get("PYTHONPATH", "")])
     return "standin", {"PYTHONPATH": path, "CUPY_STANDIN_DEVICES": "4"}
-
-
-def rank_outputs(script, n, env, timeout):
-    """What each of ``n`` fresh ranks running ``script`` printed, once all exited cleanly."""
-    results = spawn_job(script, n, env=env, timeout=timeout)
-    for rank, (code, _, err) in enumerate(results):
-        assert code == 0, f"rank {rank}: {err[-3000:]}"
-    return [out for _, out, _ in results]
 
 
 def reported(out, tag):
@@ -106,7 +98,7 @@ COLLECTIVES = textwrap.dedent("""
 def test_collectives_on_cupy_arrays(n, backend):
     name, env = backend
     script = COLLECTIVES.replace("BIG", "1_000_003" if name == "cuda" else "100_003")
-    for out in rank_outputs(script, n, env, timeout=240):
+    for out in job_outputs(script, n, env, timeout=240):
         assert "BAD 0 True" in out, out
 
 
@@ -139,7 +131,7 @@ HOST_KINDS = textwrap.dedent("""
 
 def test_host_subclasses_beside_host_and_device_arrays(backend):
     name, env = backend
-    for out in rank_outputs(HOST_KINDS, 2, env, timeout=120):
+    for out in job_outputs(HOST_KINDS, 2, env, timeout=120):
         assert "HOST True [True, True]" in out, out
 
 
@@ -232,7 +224,7 @@ STREAMS = textwrap.dedent("""
 def test_stream_order_with_the_callers_stream(n, caller, backend):
     name, env = backend
     env = dict(env, CALLER=caller, CUPY_CUDA_PER_THREAD_DEFAULT_STREAM="1" if caller == "per-thread" else "0")
-    for out in rank_outputs(STREAMS, n, env, timeout=240):
+    for out in job_outputs(STREAMS, n, env, timeout=240):
         assert "BAD []" in out, out
 
 
@@ -295,7 +287,7 @@ def test_staging_is_double_buffered_and_receives_reuse_device_memory(backend):
     # lanes of 128 slots, more than the calls before the measured broadcast can hold (a slot
     # waits for its copy to the device): none of its segments falls back to ZeroMQ
     env = dict(env, RINGCOMM_SEGMENT_BYTES=str(256 << 10), RINGCOMM_SHM_SLOTS="128")
-    for rank, out in enumerate(rank_outputs(STAGING, 3, env, timeout=120)):
+    for rank, out in enumerate(job_outputs(STAGING, 3, env, timeout=120)):
         got = reported(out, "STAGING")
         line, broadcast = json.dumps(got), got["broadcast"]
         assert got["ok"], line
@@ -336,7 +328,7 @@ WINDOW = textwrap.dedent("""
 def test_staged_sends_respect_the_point_to_point_window(backend):
     name, env = backend
     env = dict(env, RINGCOMM_SEGMENT_BYTES="65536", RINGCOMM_P2P_WINDOW_BYTES=str(4 * 65536))
-    out0, out1 = rank_outputs(WINDOW, 2, env, timeout=60)
+    out0, out1 = job_outputs(WINDOW, 2, env, timeout=60)
     assert "WINDOW sent" in out0 and "WINDOW True" in out1, out0 + out1
 
 
@@ -470,7 +462,7 @@ def test_offloaded_copies_use_the_copy_stream_unit_by_unit(stage, backend):
     script = OFFLOAD + "\n"
     args = ["--strategy", stage, "--offload", "--device", "gpu", "--steps", "2", "--batch-size", "32",
             "--samples", "128", "--layers", "32,64,48,10", "--bucket-mb", "0.0005", "--precision", "fp16"]
-    for out in rank_outputs(script.replace("sys.argv[1:]", repr(args)), 2, env, timeout=120):
+    for out in job_outputs(script.replace("sys.argv[1:]", repr(args)), 2, env, timeout=120):
         got = reported(out, "OFFLOAD")
         units, order = got["units"], got["order"]
         assert units >= 3, got

@@ -60,22 +60,31 @@ def _alive(pid):
         return False
 
 
+def _leaving_a_child(pidfile, then):
+    """A step's script: it starts a child that sleeps, writes the child's pid to ``pidfile``,
+    then runs ``then`` (Python source)."""
+    return ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n" + then)
+
+
+def _gone(pid, wait=5.0):
+    """True once ``pid`` has ended, waiting up to ``wait`` seconds for it."""
+    deadline = time.monotonic() + wait
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
 def test_a_step_out_of_time_is_killed_with_what_it_started(tmp_path, monkeypatch):
     """A launched job's ranks are the step's grandchildren: they go with it, not on holding
     the GPU through the next steps; every step's seconds are in the JSON."""
     monkeypatch.setattr(gpu_check, "MIN_STEP_S", 0.5)
     steps = gpu_check.Steps(str(tmp_path / "gpu_check.json"), budget=60)
     pidfile = tmp_path / "rank.pid"
-    parent = ("import subprocess, sys, time\n"
-              "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-              f"open({str(pidfile)!r}, 'w').write(str(rank.pid))\n"
-              "print('started', flush=True); time.sleep(120)\n")
+    parent = _leaving_a_child(pidfile, "print('started', flush=True); time.sleep(120)\n")
     assert steps.run("hung job", [sys.executable, "-c", parent], timeout=3) is None
-    pid = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid), "the step's rank outlived it"
+    assert _gone(int(pidfile.read_text())), "the step's rank outlived it"
     quick = steps.run("quick", [sys.executable, "-c", "print('ok')"], timeout=30)
     assert quick.returncode == 0 and quick.stdout.strip() == "ok"
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -90,18 +99,12 @@ def test_a_step_that_ends_leaving_a_process_behind_returns_at_once(tmp_path, mon
     monkeypatch.setattr(gpu_check, "MIN_STEP_S", 0.5)
     steps = gpu_check.Steps(str(tmp_path / "gpu_check.json"), budget=120)
     pidfile = tmp_path / "left.pid"
-    parent = ("import subprocess, sys\n"
-              "left = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-              f"open({str(pidfile)!r}, 'w').write(str(left.pid))\n"
-              "print('done', flush=True)\n")
+    parent = _leaving_a_child(pidfile, "print('done', flush=True)\n")
     began = time.monotonic()
     result = steps.run("leaves one behind", [sys.executable, "-c", parent], timeout=60)
     assert result is not None and result.returncode == 0 and "done" in result.stdout
     assert time.monotonic() - began < 20, "the step waited for what it left behind"
-    deadline = time.monotonic() + 5
-    while _alive(int(pidfile.read_text())) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(int(pidfile.read_text()))
+    assert _gone(int(pidfile.read_text()))
 
 
 @pytest.mark.timeout(300)
