@@ -11,7 +11,7 @@ NPROC  ?= 4
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: setup.cfg pyproject.toml | $(PY)
+$(VENV)/.installed: setup.cfg setup.py pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
@@ -34,7 +34,7 @@ INSTALL_SLURM = if command -v srun >/dev/null 2>&1 && command -v slurmd >/dev/nu
 # PyTorch is the tests' independent numerical oracle. Only the CPU wheel 2.13.0 that lies on
 # this machine kind's disk is used (--no-index: never a multi-GB CUDA download); without it
 # the oracle tests are skipped, saying so.
-$(VENV)/.installed-test: setup.cfg pyproject.toml | $(PY)
+$(VENV)/.installed-test: setup.cfg setup.py pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[test]"
 	( $(PY) -m pip install --quiet --no-index --no-deps "torch==2.13.0" && \
 	  $(PY) -m pip install --quiet "torch==2.13.0" ) || \
@@ -46,7 +46,7 @@ $(VENV)/.installed-test: setup.cfg pyproject.toml | $(PY)
 # The bench extra (matplotlib, torch==2.13.0, mpi4py), piece by piece so that a missing peer
 # is skipped, not fatal: bench/peers.py then reports it missing. Open MPI as above; torch only
 # as the local CPU wheel, as for the tests.
-$(VENV)/.installed-bench: setup.cfg pyproject.toml | $(VENV)/.installed
+$(VENV)/.installed-bench: setup.cfg setup.py pyproject.toml | $(VENV)/.installed
 	@$(INSTALL_OPENMPI)
 	$(PY) -m pip install --quiet "matplotlib>=3.7"
 	( $(PY) -m pip install --quiet --no-index --no-deps "torch==2.13.0" && \

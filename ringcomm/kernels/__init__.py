@@ -25,8 +25,9 @@ numpy arrays each function takes the dtypes numpy does.
 :func:`backend` says which of the two this process can use: ``"cupy"`` when CuPy imports and
 sees a device, else ``"numpy"``.
 
-The ``.cu`` sources and ``common.cuh`` lie beside this file (package data; README.md there
-says what each kernel computes and how exactness is kept).
+The ``.cu`` sources and ``common.cuh`` live in the project's top-level ``kernels/`` folder,
+whose README says what each kernel computes and how exactness is kept; a wheel carries them
+as ``ringcomm/kernels/cuda/`` (:data:`KERNEL_DIR` is whichever of the two holds them).
 """
 import functools
 from pathlib import Path
@@ -61,11 +62,21 @@ ENTRY_POINTS = _entry_points()
 
 # -- the sources -------------------------------------------------------------------------------
 
-KERNEL_DIR = Path(__file__).resolve().parent  # the .cu sources ship as this package's data
+def _kernel_dir():
+    """Where the ``.cu`` sources are: ``cuda/`` beside this file in an installed wheel, else
+    the checkout's top-level ``kernels/`` (a source tree or an editable install)."""
+    here = Path(__file__).resolve().parent
+    for place in (here / "cuda", here.parents[1] / "kernels"):
+        if (place / "common.cuh").is_file():
+            return place
+    return here / "cuda"  # a broken install: numpy work goes on, a CUDA compile names the path
+
+
+KERNEL_DIR = _kernel_dir()
 
 
 def source_path(name):
-    """Path of ``<name>.cu`` in this package."""
+    """Path of ``<name>.cu`` (in :data:`KERNEL_DIR`)."""
     if name not in SOURCES:
         raise ValueError(f"unknown kernel source {name!r}; expected one of {SOURCES}")
     return KERNEL_DIR / f"{name}.cu"

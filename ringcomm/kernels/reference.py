@@ -1,6 +1,6 @@
 """numpy references for the CUDA kernels of this package: what the CPU path computes.
 
-Each function has the semantics of the kernels beside it (see the header of each ``.cu``) and
+Each function has the semantics of its kernel in ``kernels/`` (see the header of each ``.cu``) and
 the arithmetic of the CPU code it stands for, bit for bit:
 
 - :func:`reduce`, :func:`scale`, :func:`divide`, :func:`finalize` -- ``reduce.cu``;

@@ -12,7 +12,7 @@ import pytest
 from ringcomm import kernels
 
 ref = kernels.reference
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "ringcomm" / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
 # Written out here, not derived from ringcomm.kernels.ENTRY_POINTS, so a typo on either side
 # shows up.

@@ -33,30 +33,40 @@ def test_backend_is_numpy_without_cupy():
         assert kernels.backend() in ("numpy", "cupy")
 
 
-def test_sources_ship_beside_the_dispatcher():
+def test_a_checkout_reads_the_top_level_sources():
     assert kernels.KERNEL_DIR == KERNEL_DIR
     assert kernels.source_path("adam") == KERNEL_DIR / "adam.cu"
-    assert Path(ref.__file__).resolve() == KERNEL_DIR / "reference.py"
+    assert Path(ref.__file__).resolve().parent == Path(kernels.__file__).resolve().parent
     with pytest.raises(ValueError):
         kernels.source_path("softmax")
 
 
-def test_an_installed_wheel_carries_the_sources(tmp_path):
-    """The wheel setup.cfg builds holds every .cu source, the header and the README as package
-    data of ringcomm.kernels: no file-path search is needed to find them."""
-    root, src = KERNEL_DIR.parents[1], tmp_path / "src"  # a copy: the build leaves files behind
+def test_an_installed_wheel_carries_and_finds_the_sources(tmp_path):
+    """The wheel holds the top-level kernels/ folder as ringcomm/kernels/cuda/, and ringcomm
+    imported from the unpacked wheel (away from any checkout) reads its sources there."""
+    root, src = KERNEL_DIR.parent, tmp_path / "src"  # a copy: the build leaves files behind
     src.mkdir()
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    for name in ("setup.cfg", "setup.py", "pyproject.toml", "README.md"):
         shutil.copy(root / name, src / name)
-    shutil.copytree(root / "ringcomm", src / "ringcomm", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("ringcomm", "kernels"):
+        shutil.copytree(root / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path), str(src)], check=True, capture_output=True, timeout=120)
     wheel, = tmp_path.glob("ringcomm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in kernels.SOURCES:
-        assert f"ringcomm/kernels/{source}.cu" in names
-    assert {"ringcomm/kernels/common.cuh", "ringcomm/kernels/README.md", "ringcomm/kernels/reference.py",
-            "ringcomm/kernels/__init__.py"} <= names
+        assert f"ringcomm/kernels/cuda/{source}.cu" in names
+    assert {"ringcomm/kernels/cuda/common.cuh", "ringcomm/kernels/cuda/README.md",
+            "ringcomm/kernels/reference.py", "ringcomm/kernels/__init__.py"} <= names
+    assert not any(name.startswith("kernels/") for name in names)
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = ("from ringcomm import kernels; print(kernels.KERNEL_DIR); "
+             "print(len(kernels.module_source('reduce')))")
+    found = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"],
+                           cwd=tmp_path, check=True, capture_output=True, text=True, timeout=60).stdout.split()
+    assert Path(found[0]) == site / "ringcomm" / "kernels" / "cuda"
+    assert int(found[1]) > len((KERNEL_DIR / "reduce.cu").read_text())  # common.cuh written in
 
 
 def test_dispatch_on_numpy_arrays_is_the_reference():
