@@ -21,7 +21,7 @@ marked ``remote`` so that it is not sent round again; an abort of a collective t
 ended here (this rank only sent in it) fails this call instead, and this rank tells the
 others, so no rank goes on as if nothing had happened.
 
-Point-to-point calls (space 1) skip what only collectives need (poison, aborts, retirement):
+Point-to-point calls (``Space.POINT_TO_POINT``) skip what only collectives need (poison, aborts, retirement):
 they are numbered per peer and tag, not in the communicator's collective order.
 """
 import time
@@ -31,6 +31,7 @@ from . import signature
 from .engine import Deferred
 from .errors import CollectiveMismatch, CommError, CommTimeout, PeerLost, Revoked, SignatureMismatch
 from .link import Link
+from .transport.frame import Space
 from .transport.mailbox import AbortNotice
 
 
@@ -62,7 +63,7 @@ class Call:
 
     comm: object      # the Communicator: ranks, rank, comm_id, timeout, segment size, stats
     body: object      # body(link) -> None, or a Deferred that completes the call
-    space: int        # 0 = collective, 1 = point-to-point
+    space: Space
     seq: int
     sig: bytes
     dtype: object
@@ -86,7 +87,7 @@ class Call:
                     device=self.device, topology=comm.topology)
         failed = True
         try:
-            if space == 0:
+            if space == Space.COLLECTIVE:
                 transport.raise_news(comm.comm_id)
                 if transport.revoked:
                     transport.check_revoked(comm.comm_id)
@@ -100,7 +101,7 @@ class Call:
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
                 return self._finishing(link, deferred)
             transport.flush(link.deadline, self.what)
-            if space == 0:  # another rank may have aborted a collective this one only sent in
+            if space == Space.COLLECTIVE:  # another rank may have aborted a collective this one only sent in
                 transport.raise_news(comm.comm_id, seq)
                 if transport.revoked:  # revoked while it ran: its data may be another thread's
                     transport.check_revoked(comm.comm_id)
@@ -114,7 +115,7 @@ class Call:
         except PeerLost as exc:
             # a peer that aborted this collective and closed: its ABORT may travel another
             # path than its goodbye and be read after it; it, not the goodbye, says why
-            notice = self._notice(transport) if space == 0 else None
+            notice = self._notice(transport) if space == Space.COLLECTIVE else None
             if notice is None:
                 self._abort(transport, exc)
                 raise
@@ -127,7 +128,7 @@ class Call:
             self._abort(transport, exc)
             raise
         finally:
-            if space == 0:
+            if space == Space.COLLECTIVE:
                 transport.retire(comm.comm_id, seq, failed)
         comm._stats.collectives += 1
         if transport.first_failure is not None:  # recovered: a goodbye now blames nobody
@@ -201,7 +202,7 @@ class Call:
         if isinstance(exc, Revoked):  # told once, by the revoking rank alone
             transport.announce_revoked(self.comm.comm_id)
             return
-        if self.space != 0:
+        if self.space != Space.COLLECTIVE:
             return
         try:
             transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)

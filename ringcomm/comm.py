@@ -40,6 +40,7 @@ from .checks import check_array, check_device_reduce, check_pair, check_peer, ch
 from .collective import Call
 from .errors import CollectiveMismatch, CommError
 from .link import HOST, Stats
+from .transport.frame import Space
 from .ops import parse_op
 from .threads import ThreadGuard
 from .topology import Topology
@@ -462,14 +463,14 @@ class Communicator:
             if engine.closed:
                 raise CommError(f"{self.name}: communicator is closed")
             if route is None:
-                space, seq = 0, self._seq
+                space, seq = Space.COLLECTIVE, self._seq
                 self._seq += 1
                 what = f"{verb} #{seq} on {self.name}"
             elif isinstance(route, receives.Ticket):
-                space, seq = 1, self._receives.post(route)
+                space, seq = Space.POINT_TO_POINT, self._receives.post(route)
                 what = route.describe(self.name)
             else:
-                space, seq = 1, self._p2p_seq[route]
+                space, seq = Space.POINT_TO_POINT, self._p2p_seq[route]
                 self._p2p_seq[route] += 1
                 _, peer, tag = route
                 what = f"send to rank {peer} (tag {tag}, #{seq}) on {self.name}"

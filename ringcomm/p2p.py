@@ -1,8 +1,9 @@
 """Point-to-point transfers: one rank sends, one receives, with flow control.
 
 A message is cut into segments like a collective's; segment j of the n-th message from rank
-s to rank d with tag t travels under the key (space 1, seq n, step t, segment j), so messages
-never overtake each other within one (peer, tag) and never meet a collective's.
+s to rank d with tag t travels under the key (``Space.POINT_TO_POINT``, seq n, step t,
+segment j), so messages never overtake each other within one (peer, tag) and never meet
+a collective's.
 
 Flow control: a rank keeps at most ``window`` bytes (``RINGCOMM_P2P_WINDOW_BYTES``, default
 64 MiB, the same on every rank) of point-to-point data in flight to each peer on each tag,

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from ..errors import CommError, CommTimeout, Revoked
 from . import frame
 from .credit import CollectiveCredit
-from .frame import Kind
+from .frame import Kind, Space
 from .mailbox import Mailbox, abort_sig
 
 NOT_REACHED, INSIDE, FINISHED = 0, 1, 2  # a PONG's answer about one collective
@@ -165,7 +165,7 @@ class Transport(ABC):
         """Send ``payload`` (a contiguous array or bytes) to global rank ``dst``; returns
         the tracker of a zero-copy send, else ``None``. ``copy=True``: never zero-copy."""
         nbytes = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
-        if key.space == 1:
+        if key.space == Space.POINT_TO_POINT:
             self._unacked[(dst, key.comm_id, key.step)] += nbytes
         return self._send(dst, key, sig, payload, nbytes, copy)
 
@@ -179,7 +179,7 @@ class Transport(ABC):
 
     def send_slot(self, dst, key, sig, slot, nbytes):
         """Send the ``nbytes`` segment written into the taken ``slot`` to ``dst``."""
-        if key.space == 1:
+        if key.space == Space.POINT_TO_POINT:
             self._unacked[(dst, key.comm_id, key.step)] += nbytes
         self._send_slot(dst, key, sig, slot, nbytes)
 
@@ -302,7 +302,7 @@ class Transport(ABC):
         """The mailbox's payload for ``key`` (or ``None``); taking point-to-point data
         returns its bytes to the sender's window (a CREDIT)."""
         payload = self.mailbox.take(src, key, sig)
-        if payload is not None and key.space == 1:
+        if payload is not None and key.space == Space.POINT_TO_POINT:
             credit = CREDIT.pack(memoryview(payload).nbytes)
             try:
                 self._post(src, frame.pack(Kind.CREDIT, self.rank, key, 0, credit), b"")
@@ -318,7 +318,7 @@ class Transport(ABC):
         """Like :meth:`recv` but never waits: the payload, or ``None`` if not here yet."""
         payload = self._take(src, key, sig)
         if payload is None:
-            self._check_waiting(src, key.comm_id if key.space == 0 else None, what)
+            self._check_waiting(src, key.comm_id if key.space == Space.COLLECTIVE else None, what)
             if time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: timed out waiting for rank {src}; rank {self.rank} gave up")
         return payload
@@ -330,7 +330,7 @@ class Transport(ABC):
             payload = self._take(src, key, sig)
             if payload is not None:
                 return payload
-            self._check_waiting(src, key.comm_id if key.space == 0 else None, what)
+            self._check_waiting(src, key.comm_id if key.space == Space.COLLECTIVE else None, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommTimeout(

@@ -19,7 +19,7 @@ kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the p
                as a u64, see ``ringcomm.p2p``), WANT (the sender waits to send data of
                collective ``seq``), GRANT (the answer: ``seq`` holds how many collectives
                of the communicator the receiver has finished; see ``ringcomm.transport.credit``)
-space  u8      0 = collective, 1 = point-to-point
+space  u8      :class:`Space`: 0 = collective, 1 = point-to-point
 src    u32     the sender's global rank
 comm   u32     communicator id (0 = world; groups get a hash)
 seq    u64     sequence number of the collective within its communicator
@@ -61,11 +61,19 @@ class Kind(IntEnum):
     GRANT = 10
 
 
+class Space(IntEnum):
+    """Which sequence a message's ``seq`` counts in: the communicator's collectives, or one
+    route's point-to-point messages (see ``ringcomm.p2p``)."""
+
+    COLLECTIVE = 0
+    POINT_TO_POINT = 1
+
+
 class Key(NamedTuple):
     """Where a message belongs: communicator, space, collective, step, segment."""
 
     comm_id: int
-    space: int
+    space: Space
     seq: int
     step: int
     segment: int
@@ -80,6 +88,7 @@ class Header(NamedTuple):
 
 
 _KINDS = {kind.value: kind for kind in Kind}  # a dict lookup is ~10x cheaper than Kind(x)
+_SPACES = {space.value: space for space in Space}
 _SHM, _ABORT = int(Kind.SHM), int(Kind.ABORT)  # int comparisons: cheaper than IntEnum's
 # the namedtuples built from one tuple without their Python-level __new__ (a message
 # makes two of them); new_key((comm_id, space, seq, step, segment)) is a Key
@@ -107,8 +116,9 @@ def unpack(header, payload_len, world_size, self_rank):
     kind = _KINDS.get(kind)
     if kind is None:
         raise FrameError(f"unknown message kind {HEADER.unpack(header)[2]}")
-    if space not in (0, 1):
-        raise FrameError(f"unknown space {space}")
+    space = _SPACES.get(space)
+    if space is None:
+        raise FrameError(f"unknown space {HEADER.unpack(header)[3]}")
     if not 0 <= src < world_size or src == self_rank:
         raise FrameError(f"frame claims to come from rank {src} (world size {world_size})")
     if kind == _SHM:

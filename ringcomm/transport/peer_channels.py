@@ -18,9 +18,9 @@ class PeerChannels:
     """A rank's channels to and from its same-host peers, for a transport that also waits on
     sockets: it sleeps in one poll of its sockets and of the bells :meth:`open` returns.
 
-    >>> channels.create(peer, path)              # at start-up, this rank's end to ``peer``
-    >>> channels.open(peer, path)                # ``peer``'s channel into this rank
-    >>> channels.try_send(peer, header, payload)  # False: not sent (full)
+    >>> out = channels.create(peer, path)  # at start-up, this rank's end to ``peer``
+    >>> bell = channels.open(peer, path)   # ``peer``'s channel into this rank
+    >>> out.try_send(header, payload)      # the Channel's own method; False: full
     >>> for src, message in channels.messages(): ...
     """
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from ringcomm.errors import CommError, FrameError
 from ringcomm.transport import frame
-from ringcomm.transport.frame import HEADER, MAGIC, MAX_ABORT_BYTES, VERSION, Header, Key, Kind
+from ringcomm.transport.frame import HEADER, MAGIC, MAX_ABORT_BYTES, VERSION, Header, Key, Kind, Space
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,7 +44,7 @@ def messages(draw):
     src = draw(st.integers(0, world - 1))
     self_rank = draw(st.integers(0, world - 1).filter(lambda r: r != src))
     kind = draw(st.sampled_from(list(Kind)))
-    key = Key(draw(U32), draw(st.sampled_from([0, 1])), draw(U64), draw(U32), draw(U32))
+    key = Key(draw(U32), draw(st.sampled_from(list(Space))), draw(U64), draw(U32), draw(U32))
     nbytes = draw(st.integers(0, MAX_ABORT_BYTES) if kind == Kind.ABORT else U64)
     return kind, src, key, nbytes, draw(SIG), world, self_rank
 
@@ -59,6 +59,7 @@ def test_round_trip(msg):
     assert header == Header(kind, src, key, nbytes, sig)
     assert type(header.kind) is Kind
     assert type(header.key) is Key
+    assert type(header.key.space) is Space
 
 
 def test_unpack_accepts_bytearray_and_memoryview():
