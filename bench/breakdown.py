@@ -39,7 +39,7 @@ from ringcomm.link import Link, Stats
 from ringcomm.threads import ThreadGuard
 from ringcomm.transport import frame
 from ringcomm.transport.channel import Channel, fence
-from ringcomm.transport.frame import Key, Kind
+from ringcomm.transport.frame import Key, Kind, Space
 from ringcomm.transport.mailbox import Mailbox
 from ringcomm.units import parse_size
 
@@ -78,7 +78,7 @@ def pieces(size):
     """[(piece, runs per call, seconds each)] for one all-reduce of ``size`` bytes, N = 2."""
     x = np.ones(size // 4, np.float32)
     incoming = np.ones(size // 4, np.float32)
-    guard = ThreadGuard("world")
+    guard = ThreadGuard("world", revoke=print)  # never called: one thread
     sig = signature.pack("all_reduce", x.dtype, ops.ReduceOp.SUM, "rd", 0, x.size)
     key = Key(1, 0, 1, 1, 0)
     header = frame.pack(Kind.DATA, 1, key, x.nbytes, sig)
@@ -98,7 +98,7 @@ def pieces(size):
         guard.leave(guard.enter("all_reduce"))
 
     def link():
-        Link(transport, ranks=(0, 1), rank=0, comm_id=1, space=0, seq=5, sig=sig, dtype=x.dtype,
+        Link(transport, ranks=(0, 1), rank=0, comm_id=1, space=Space.COLLECTIVE, seq=5, sig=sig, dtype=x.dtype,
              segment_bytes=1 << 20, deadline=time.monotonic() + 60, what="w", stats=Stats())
 
     def channel_round_trip():  # one message in and out: the sender's copy and the receiver's
@@ -118,10 +118,11 @@ def pieces(size):
                                                                "rd", 0, x.size)),
         ("thread guard enter + leave", 1, guarded),
         ("engine lock + call name", 1, lambda: (lock.acquire(), f"all_reduce #{7} on world", lock.release())),
-        ("Call object", 1, lambda: Call(None, None, 0, 5, sig, x.dtype, "w", None, None)),
+        ("Call object", 1, lambda: Call(comm=None, body=None, space=Space.COLLECTIVE, seq=5, sig=sig,
+                                           dtype=x.dtype, what="w", device=None, result=None)),
         ("Link object", 1, link),
         ("segments", 1, lambda: segments(x.size, 4, 1 << 20)),
-        ("Key (send and receive)", 2, lambda: frame.new_key((1, 0, 5, 1, 0))),
+        ("Key (send and receive)", 2, lambda: frame.new_key((1, Space.COLLECTIVE, 5, 1, 0))),
         ("header pack", 1, lambda: frame.pack(Kind.DATA, 1, key, x.nbytes, sig)),
         ("channel: copy in, fence, copy out", 1, channel_round_trip),
         ("fence alone (inside the above)", 0, fence),

@@ -198,7 +198,7 @@ def table_rows(n, arms, times, rounds, wrong, status):
                 row["algbw"], row["busbw"] = bl.metrics("all_reduce", n, size, row["time_us"] / 1e6)
             by_arm[(library, algo)] = row
             rows.append(row)
-        for (library, algo), row in by_arm.items():
+        for (library, _algo), row in by_arm.items():
             if library == "ringcomm" and "time_us" in row:
                 for peer in PEERS:
                     other = by_arm.get((peer, None), {})

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -74,7 +75,7 @@ def start_ranks(args, workdir):
                "--report", os.path.join(workdir, f"rank{rank}.json")]
         if args.torch:
             cmd += ["--torch-port", str(torch_port)]
-        log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
+        log = open(os.path.join(workdir, f"rank{rank}.log"), "w")  # noqa: SIM115 (the child writes it)
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       preexec_fn=_die_with_driver))
         log.close()
@@ -188,7 +189,7 @@ def summarize(args, workdir, procs, stopper, notes, wall, stress_wall):
     ranks = []
     for r, p in enumerate(procs):
         path = os.path.join(workdir, f"rank{r}.json")
-        report = json.load(open(path)) if os.path.exists(path) else {"rank": r, "missing": True}
+        report = json.loads(Path(path).read_text()) if os.path.exists(path) else {"rank": r, "missing": True}
         report["returncode"] = p.returncode
         report["stops"] = stopper.stops[r] if stopper else 0
         report["stopped_s"] = round(stopper.stopped_s[r], 3) if stopper else 0.0

@@ -80,7 +80,7 @@ def pytest_configure(config):
     global _events
     path = os.environ.get("TORCH_SUITE_EVENTS")
     if path:
-        _events = open(path, "a", buffering=1)
+        _events = open(path, "a", buffering=1)  # noqa: SIM115 (open for the whole session)
 
 
 def pytest_unconfigure(config):

@@ -21,8 +21,9 @@ marked ``remote`` so that it is not sent round again; an abort of a collective t
 ended here (this rank only sent in it) fails this call instead, and this rank tells the
 others, so no rank goes on as if nothing had happened.
 
-Point-to-point calls (``Space.POINT_TO_POINT``) skip what only collectives need (poison, aborts, retirement):
-they are numbered per peer and tag, not in the communicator's collective order.
+Point-to-point calls (``Space.POINT_TO_POINT``) skip what only collectives need (poison,
+aborts, retirement): they are numbered per peer and tag, not in the communicator's
+collective order.
 """
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from . import signature
 from .engine import Deferred
 from .errors import CollectiveMismatch, CommError, CommTimeout, PeerLost, Revoked, SignatureMismatch
 from .link import Link
-from .transport.frame import Space
+from .transport.frame import COLLECTIVE, Space
 from .transport.mailbox import AbortNotice
 
 
@@ -57,7 +58,7 @@ def error_for(notice, seq):
     return exc
 
 
-@dataclass(eq=False)  # a call is itself: held in weak sets (Communicator.close)
+@dataclass(eq=False, kw_only=True)  # a call is itself: held in weak sets (Communicator.close)
 class Call:
     """One collective or point-to-point call of a communicator (``comm``)."""
 
@@ -87,7 +88,7 @@ class Call:
                     device=self.device, topology=comm.topology)
         failed = True
         try:
-            if space == Space.COLLECTIVE:
+            if space == COLLECTIVE:
                 transport.raise_news(comm.comm_id)
                 if transport.revoked:
                     transport.check_revoked(comm.comm_id)
@@ -101,7 +102,7 @@ class Call:
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
                 return self._finishing(link, deferred)
             transport.flush(link.deadline, self.what)
-            if space == Space.COLLECTIVE:  # another rank may have aborted a collective this one only sent in
+            if space == COLLECTIVE:  # another rank may have aborted a collective this one only sent in
                 transport.raise_news(comm.comm_id, seq)
                 if transport.revoked:  # revoked while it ran: its data may be another thread's
                     transport.check_revoked(comm.comm_id)
@@ -115,7 +116,7 @@ class Call:
         except PeerLost as exc:
             # a peer that aborted this collective and closed: its ABORT may travel another
             # path than its goodbye and be read after it; it, not the goodbye, says why
-            notice = self._notice(transport) if space == Space.COLLECTIVE else None
+            notice = self._notice(transport) if space == COLLECTIVE else None
             if notice is None:
                 self._abort(transport, exc)
                 raise
@@ -128,7 +129,7 @@ class Call:
             self._abort(transport, exc)
             raise
         finally:
-            if space == Space.COLLECTIVE:
+            if space == COLLECTIVE:
                 transport.retire(comm.comm_id, seq, failed)
         comm._stats.collectives += 1
         if transport.first_failure is not None:  # recovered: a goodbye now blames nobody
@@ -202,7 +203,7 @@ class Call:
         if isinstance(exc, Revoked):  # told once, by the revoking rank alone
             transport.announce_revoked(self.comm.comm_id)
             return
-        if self.space != Space.COLLECTIVE:
+        if self.space != COLLECTIVE:
             return
         try:
             transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)

@@ -40,7 +40,7 @@ from .checks import check_array, check_device_reduce, check_pair, check_peer, ch
 from .collective import Call
 from .errors import CollectiveMismatch, CommError
 from .link import HOST, Stats
-from .transport.frame import Space
+from .transport.frame import COLLECTIVE, POINT_TO_POINT
 from .ops import parse_op
 from .threads import ThreadGuard
 from .topology import Topology
@@ -463,18 +463,19 @@ class Communicator:
             if engine.closed:
                 raise CommError(f"{self.name}: communicator is closed")
             if route is None:
-                space, seq = Space.COLLECTIVE, self._seq
+                space, seq = COLLECTIVE, self._seq
                 self._seq += 1
                 what = f"{verb} #{seq} on {self.name}"
             elif isinstance(route, receives.Ticket):
-                space, seq = Space.POINT_TO_POINT, self._receives.post(route)
+                space, seq = POINT_TO_POINT, self._receives.post(route)
                 what = route.describe(self.name)
             else:
-                space, seq = Space.POINT_TO_POINT, self._p2p_seq[route]
+                space, seq = POINT_TO_POINT, self._p2p_seq[route]
                 self._p2p_seq[route] += 1
                 _, peer, tag = route
                 what = f"send to rank {peer} (tag {tag}, #{seq}) on {self.name}"
-            call = Call(self, body, space, seq, sig, x.dtype, what, device, result, ready)
+            call = Call(comm=self, body=body, space=space, seq=seq, sig=sig, dtype=x.dtype, what=what,
+                        device=device, result=result, ready=ready)
             if route is None and not async_op and engine.hold():
                 self._issued.add(call)
                 return call, None  # a collective never defers: nothing for the thread to finish

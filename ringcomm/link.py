@@ -18,7 +18,7 @@ import numpy as np
 
 from .device import HostDevice
 from .errors import CollectiveMismatch, CommTimeout
-from .transport.frame import Key, Space, new_key
+from .transport.frame import COLLECTIVE, Key, new_key
 
 
 @dataclass
@@ -69,8 +69,8 @@ class Link:
         self._remote = None if topology is None else topology.remote
         # global ranks this collective may send to (their window has room; see
         # ringcomm.transport.credit); point-to-point data has a window of its own
-        self._room = set() if space == Space.COLLECTIVE else None
-        if space == Space.COLLECTIVE:
+        self._room = set() if space == COLLECTIVE else None
+        if space == COLLECTIVE:
             transport.started(comm_id, seq)
 
     def send(self, peer, step, segment, array, copy=False):
@@ -252,7 +252,7 @@ class Link:
         if timeout.cause == "silent":  # a rank that failed a liveness check before: no new one
             return timeout
         me = self.ranks[self.rank]
-        peers = self.ranks if self.space == Space.COLLECTIVE else [src]
+        peers = self.ranks if self.space == COLLECTIVE else [src]
         silent, behind = self.transport.probe(peers, self.comm_id, self.seq)
         silent = sorted(silent, key=lambda p: p != src)  # the rank waited on first, if it is one
         behind = sorted(behind, key=lambda p: p != src)
@@ -261,7 +261,7 @@ class Link:
                 f"{self.what}: rank {silent[0]} stopped answering (no reply to a liveness check: "
                 f"it is stopped, hung outside Python, or unreachable); rank {me} timed out "
                 f"waiting for rank {src}", rank=silent[0], cause="silent")
-        if behind and self.space == Space.COLLECTIVE:
+        if behind and self.space == COLLECTIVE:
             return CommTimeout(
                 f"{self.what}: rank {behind[0]} is alive but never started this collective (it "
                 f"is busy elsewhere, or the ranks issue collectives in different orders); rank "

@@ -27,7 +27,7 @@ from collections import deque
 
 from .algorithms.chunks import segments
 from .engine import Deferred
-from .transport.frame import Key
+from .transport.frame import POINT_TO_POINT, Key
 
 
 def send(link, flat, dst, tag):
@@ -106,6 +106,6 @@ def _bound(link, ticket, receives):
 def _first_arrived(link, tag, peers, number):
     """Of group ranks ``peers``, the one whose next message on ``tag`` (``number(peer)``)
     began to arrive first, or None if none has."""
-    candidates = [(link.ranks[p], Key(link.comm_id, 1, number(p), tag, 0)) for p in peers]
+    candidates = [(link.ranks[p], Key(link.comm_id, POINT_TO_POINT, number(p), tag, 0)) for p in peers]
     first = link.transport.mailbox.first_arrived(candidates)
     return None if first is None else peers[first]

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from ..errors import CommError, CommTimeout, Revoked
 from . import frame
 from .credit import CollectiveCredit
-from .frame import Kind, Space
+from .frame import COLLECTIVE, POINT_TO_POINT, Kind
 from .mailbox import Mailbox, abort_sig
 
 NOT_REACHED, INSIDE, FINISHED = 0, 1, 2  # a PONG's answer about one collective
@@ -76,13 +76,13 @@ class Transport(ABC):
     def _pump(self, timeout):
         """Move arrived messages into the mailbox, waiting at most ``timeout`` seconds."""
 
-    def _check_peers(self, what, src=None):
+    def _check_peers(self, what, src=None):  # noqa: B027 (a wire without it has nothing to do)
         """Raise :class:`PeerLost` if a peer (or ``src``, the one waited on) is known gone."""
 
-    def flush(self, deadline, what):
+    def flush(self, deadline, what):  # noqa: B027 (a wire without it has nothing to do)
         """Block until every payload handed to :meth:`send` may be reused by the caller."""
 
-    def close(self):
+    def close(self):  # noqa: B027 (a wire without it has nothing to do)
         """Tell peers this rank is done and release every resource."""
 
     # -- the shared part ---------------------------------------------------------------
@@ -102,7 +102,7 @@ class Transport(ABC):
             self.mailbox.quiet.pop(header.src, None)
         if header.kind == Kind.PING:
             key = header.key
-            answer = frame.Key(key.comm_id, 0, key.seq, self._state(key.comm_id, key.seq), 0)
+            answer = frame.Key(key.comm_id, COLLECTIVE, key.seq, self._state(key.comm_id, key.seq), 0)
             try:
                 self._post(header.src, frame.pack(Kind.PONG, self.rank, answer, 0, bytes(16)), b"")
             except CommError:  # the asker is gone: nobody to answer
@@ -130,7 +130,7 @@ class Transport(ABC):
         gone) and those that answered but have not started the collective."""
         others = [p for p in peers if p != self.rank]
         self._probing, self._answers = (comm_id, seq), {}
-        ping = frame.pack(Kind.PING, self.rank, frame.Key(comm_id, 0, seq, 0, 0), 0, bytes(16))
+        ping = frame.pack(Kind.PING, self.rank, frame.Key(comm_id, COLLECTIVE, seq, 0, 0), 0, bytes(16))
         for peer in others:
             try:
                 self._post(peer, ping, b"")
@@ -165,7 +165,7 @@ class Transport(ABC):
         """Send ``payload`` (a contiguous array or bytes) to global rank ``dst``; returns
         the tracker of a zero-copy send, else ``None``. ``copy=True``: never zero-copy."""
         nbytes = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
-        if key.space == Space.POINT_TO_POINT:
+        if key.space == POINT_TO_POINT:
             self._unacked[(dst, key.comm_id, key.step)] += nbytes
         return self._send(dst, key, sig, payload, nbytes, copy)
 
@@ -179,14 +179,14 @@ class Transport(ABC):
 
     def send_slot(self, dst, key, sig, slot, nbytes):
         """Send the ``nbytes`` segment written into the taken ``slot`` to ``dst``."""
-        if key.space == Space.POINT_TO_POINT:
+        if key.space == POINT_TO_POINT:
             self._unacked[(dst, key.comm_id, key.step)] += nbytes
         self._send_slot(dst, key, sig, slot, nbytes)
 
     def _send_slot(self, dst, key, sig, slot, nbytes):
         raise NotImplementedError("this transport has no lanes")
 
-    def give_back_slot(self, dst, slot):
+    def give_back_slot(self, dst, slot):  # noqa: B027 (a wire without lanes has no slots)
         """Free a slot taken with :meth:`take_slot` and never sent."""
 
     def slot_of(self, payload):
@@ -209,7 +209,7 @@ class Transport(ABC):
         in_flight = self._unacked[flow] + staged
         return in_flight == 0 or in_flight + nbytes <= self.window
 
-    def wake(self):
+    def wake(self):  # noqa: B027 (a wire that never sleeps has nothing to cut short)
         """Safe from any thread: cut short the sleep of a wait in progress (a revocation
         then reaches it at once); a transport whose waits are short need do nothing."""
 
@@ -302,7 +302,7 @@ class Transport(ABC):
         """The mailbox's payload for ``key`` (or ``None``); taking point-to-point data
         returns its bytes to the sender's window (a CREDIT)."""
         payload = self.mailbox.take(src, key, sig)
-        if payload is not None and key.space == Space.POINT_TO_POINT:
+        if payload is not None and key.space == POINT_TO_POINT:
             credit = CREDIT.pack(memoryview(payload).nbytes)
             try:
                 self._post(src, frame.pack(Kind.CREDIT, self.rank, key, 0, credit), b"")
@@ -318,7 +318,7 @@ class Transport(ABC):
         """Like :meth:`recv` but never waits: the payload, or ``None`` if not here yet."""
         payload = self._take(src, key, sig)
         if payload is None:
-            self._check_waiting(src, key.comm_id if key.space == Space.COLLECTIVE else None, what)
+            self._check_waiting(src, key.comm_id if key.space == COLLECTIVE else None, what)
             if time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: timed out waiting for rank {src}; rank {self.rank} gave up")
         return payload
@@ -330,7 +330,7 @@ class Transport(ABC):
             payload = self._take(src, key, sig)
             if payload is not None:
                 return payload
-            self._check_waiting(src, key.comm_id if key.space == Space.COLLECTIVE else None, what)
+            self._check_waiting(src, key.comm_id if key.space == COLLECTIVE else None, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommTimeout(
@@ -351,7 +351,7 @@ class Transport(ABC):
     def abort(self, peers, comm_id, seq, exc):
         """Tell ``peers`` (global ranks) that collective ``seq`` failed here, and why."""
         reason = str(exc).encode("utf-8")[: frame.MAX_ABORT_BYTES]
-        sig, key = abort_sig(exc), frame.Key(comm_id, 0, seq, 0, 0)
+        sig, key = abort_sig(exc), frame.Key(comm_id, COLLECTIVE, seq, 0, 0)
         for dst in peers:
             if dst != self.rank:
                 try:

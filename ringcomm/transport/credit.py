@@ -106,7 +106,7 @@ class CollectiveCredit:
                 self._send(Kind.GRANT, flow[0], comm_id, done)
 
     def _send(self, kind, dst, comm_id, seq):
-        header = frame.pack(kind, self.rank, frame.Key(comm_id, 0, seq, 0, 0), 0, bytes(16))
+        header = frame.pack(kind, self.rank, frame.Key(comm_id, frame.COLLECTIVE, seq, 0, 0), 0, bytes(16))
         try:
             self._post(dst, header, b"")
         except CommError:  # that peer is gone: its liveness check reports it, not this

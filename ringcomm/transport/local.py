@@ -37,7 +37,7 @@ class LocalTransport(Transport):
         data = bytes(memoryview(payload).cast("B")) if not isinstance(payload, bytes) else payload
         hdr = frame.HEADER.unpack(header)
         with self.hub._lock:
-            self.hub.log.append((self.rank, dst, frame.Key(hdr[5], hdr[3], hdr[6], hdr[7], hdr[8]),
+            self.hub.log.append((self.rank, dst, frame.Key(hdr[5], frame.Space(hdr[3]), hdr[6], hdr[7], hdr[8]),
                                  len(data), frame.Kind(hdr[2])))
         self.hub.queues[dst].put((header, data))
 

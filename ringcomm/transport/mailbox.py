@@ -21,7 +21,7 @@ from collections import defaultdict
 
 from ..errors import (TIMEOUT_CAUSES, CollectiveMismatch, CommError, CommTimeout, PeerLost, Revoked,
                       SignatureMismatch)
-from .frame import Kind, Space
+from .frame import COLLECTIVE, POINT_TO_POINT, Kind
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Mailbox:
         if self.quiet:
             self.quiet.pop(header.src, None)
         key = header.key
-        if header.kind == Kind.ABORT and key.space != Space.COLLECTIVE:
+        if header.kind == Kind.ABORT and key.space != COLLECTIVE:
             self.dropped += 1  # aborts concern collectives only
             return
         if header.kind == Kind.ABORT:
@@ -107,7 +107,7 @@ class Mailbox:
             else:
                 self._notices.setdefault((key.comm_id, key.seq), notice)
             return
-        retired = self._retired.get(key.comm_id, -1) if key.space == Space.COLLECTIVE else None
+        retired = self._retired.get(key.comm_id, -1) if key.space == COLLECTIVE else None
         if retired is not None and key.seq <= retired:
             self.dropped += 1
             return
@@ -126,7 +126,7 @@ class Mailbox:
             log.warning("dropping duplicate message %s from rank %d", key, header.src)
             self.dropped += 1
             return
-        if key.space == Space.POINT_TO_POINT and self.window is not None:
+        if key.space == POINT_TO_POINT and self.window is not None:
             flow = (header.src, key.comm_id, key.step)  # a window per peer, communicator and tag
             nbytes, pending = memoryview(payload).nbytes, self._p2p_pending[flow]
             if pending and pending + nbytes > self.window:  # a sender ignoring its window
@@ -140,10 +140,10 @@ class Mailbox:
                 return
             self._p2p_pending[flow] = pending + nbytes
         self._messages[ident] = (header.sig, payload)
-        if key.space == Space.POINT_TO_POINT and key.segment == 0:
+        if key.space == POINT_TO_POINT and key.segment == 0:
             self._arrivals[ident] = self._arrived
             self._arrived += 1
-        if key.space == Space.COLLECTIVE:
+        if key.space == COLLECTIVE:
             self._signatures[(key.comm_id, key.seq)].setdefault(header.src, header.sig)
 
     def raise_late(self, comm_id):
@@ -165,7 +165,7 @@ class Mailbox:
         ended here, or :class:`SignatureMismatch` when any peer announced a different
         signature for it.
         """
-        if key.space == Space.COLLECTIVE:
+        if key.space == COLLECTIVE:
             if self._late and key.comm_id in self._late:
                 raise self._late.pop(key.comm_id)
             early = self._too_early.get((key.comm_id, key.seq)) if self._too_early else None
@@ -182,12 +182,12 @@ class Mailbox:
                 for peer, theirs in signed.items():
                     if theirs != sig:
                         raise SignatureMismatch(peer, theirs, sig)
-        if key.space == Space.POINT_TO_POINT and self._flooded:
+        if key.space == POINT_TO_POINT and self._flooded:
             self._refuse_flooded(src, key)
         item = self._messages.pop((src, *key), None)
         if item is None:
             return None
-        if key.space == Space.POINT_TO_POINT:
+        if key.space == POINT_TO_POINT:
             if key.segment == 0:
                 self._arrivals.pop((src, *key), None)
             if self.window is not None:

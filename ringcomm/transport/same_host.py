@@ -49,7 +49,7 @@ class SameHost:
         plan = self._plan
         if plan is None:
             return
-        empty = frame.Key(0, 0, 0, 0, 0)
+        empty = frame.Key(0, frame.COLLECTIVE, 0, 0, 0)
         for peer in plan.peers:
             try:
                 path = lane_path(SHM_DIR, plan.token, self.rank, peer)

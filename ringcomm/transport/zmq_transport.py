@@ -225,9 +225,9 @@ class ZmqTransport(SameHost, Transport):
         self._check_open_to(dst)
         nbytes = memoryview(payload).nbytes
         channel = self._channel_to.get(dst)
-        if channel is not None and nbytes < self._limits[0][0] and header[_KIND_AT] not in VIA_ZMQ:
-            if channel.try_send(header, payload):  # not sent: full, use ZeroMQ
-                return None
+        if (channel is not None and nbytes < self._limits[0][0] and header[_KIND_AT] not in VIA_ZMQ
+                and channel.try_send(header, payload)):  # not sent: full, use ZeroMQ
+            return None
         return self._post_zmq(dst, header, payload, nbytes, copy)
 
     def _post_zmq(self, dst, header, payload, nbytes, copy):
@@ -439,7 +439,7 @@ class ZmqTransport(SameHost, Transport):
                 self.flush(deadline, "close")
         except Exception as exc:  # closing must not fail; the data is lost either way
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
-        bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, 0, 0, 0, 0), 0,
+        bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, frame.COLLECTIVE, 0, 0, 0), 0,
                          goodbye.sig_for(self.first_failure))
         for sock in self._push.values():
             try:

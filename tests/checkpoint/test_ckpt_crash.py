@@ -2,6 +2,7 @@
 disk, leaves the previous one loadable; ``--resume`` takes the newest complete one and the run
 still ends bitwise equal to an uninterrupted run."""
 import os
+from pathlib import Path
 
 import pytest
 
@@ -65,12 +66,12 @@ def test_write_durable(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     files.write_durable(path, b"old")
     assert len(synced) == 2  # the file, then its directory
-    assert open(path, "rb").read() == b"old"
+    assert Path(path).read_bytes() == b"old"
 
     def broken_fsync(fd):
         raise OSError("disk on fire")
     monkeypatch.setattr(os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk on fire"):
         files.write_durable(path, b"new")
-    assert open(path, "rb").read() == b"old"  # the old contents, whole
+    assert Path(path).read_bytes() == b"old"  # the old contents, whole
     assert os.listdir(tmp_path) == ["file.bin"]  # no temporary file left

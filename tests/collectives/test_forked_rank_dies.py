@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +64,7 @@ FORKED = textwrap.dedent("""
 def kill_child(pid_file):
     """SIGKILL the child rank 2 forked, if it is still the process it wrote down."""
     try:
-        pid, start = open(pid_file).read().split()
+        pid, start = Path(pid_file).read_text().split()
     except (OSError, ValueError):
         return
     if start_time(int(pid)) == int(start):

@@ -56,7 +56,7 @@ LATE_ROOT = textwrap.dedent("""
 
 
 def test_abort_reaches_a_rank_that_only_sends():
-    for code, out, err in spawn_job(LATE_ROOT, 2, timeout=40):
+    for _code, out, err in spawn_job(LATE_ROOT, 2, timeout=40):
         assert "raised CommTimeout" in out and "returned normally" not in out, (out, err)
 
 

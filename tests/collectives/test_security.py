@@ -267,7 +267,7 @@ def test_ipc_sockets_live_in_a_private_directory(pools):
     foreign = os.path.join(directory, f"1.{dead}-deadbeef.sock")  # another pid namespace
     open(stale, "w").close()
     open(foreign, "w").close()
-    for code, out, err in spawn_job(JOIN, 2, timeout=40):
+    for code, _out, err in spawn_job(JOIN, 2, timeout=40):
         assert code == 0, err
     assert not os.path.exists(stale) and os.path.exists(foreign)
     os.unlink(foreign)

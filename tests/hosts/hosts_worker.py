@@ -36,7 +36,7 @@ def main():
     want = base * sum(g + 1 for g in range(n))
     for algorithm in ("hier", "ring", "auto"):
         x = base * (r + 1)
-        across, inside = inter_sent(comm, lambda: comm.all_reduce(x, algorithm=algorithm))
+        across, inside = inter_sent(comm, lambda x=x, algorithm=algorithm: comm.all_reduce(x, algorithm=algorithm))
         assert np.array_equal(x, want), algorithm
         if algorithm == "ring":
             boundary = 2 * (n - 1) * S / n
@@ -63,10 +63,10 @@ def main():
 
     for root in range(n):
         b = np.full(70_000, r, np.float32)
-        across, _ = inter_sent(comm, lambda: comm.broadcast(b, root=root, algorithm="auto"))
+        across, _ = inter_sent(comm, lambda b=b, root=root: comm.broadcast(b, root=root, algorithm="auto"))
         assert np.all(b == root) and across.sum() == (H - 1) * b.nbytes, (root, across)
         red = np.full(70_000, r + 1, np.float32)
-        across, _ = inter_sent(comm, lambda: comm.reduce(red, root=root, algorithm="hier"))
+        across, _ = inter_sent(comm, lambda red=red, root=root: comm.reduce(red, root=root, algorithm="hier"))
         assert np.all(red == (n * (n + 1) // 2 if r == root else r + 1))
         assert across.sum() == (H - 1) * red.nbytes, (root, across)
     said.append("broadcast and reduce from every root: each host boundary crossed once")

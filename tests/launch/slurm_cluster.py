@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from ringcomm.env import free_port
 
@@ -65,9 +66,8 @@ def _munge_works():
 
 
 def _tail(path, lines=5):
-    with contextlib.suppress(OSError):
-        with open(path) as f:
-            return " | ".join(f.read().splitlines()[-lines:])
+    with contextlib.suppress(OSError), open(path) as f:
+        return " | ".join(f.read().splitlines()[-lines:])
     return ""
 
 
@@ -83,7 +83,7 @@ def _start(cmd, env, what):
 
 def _stop(pid_file):
     with contextlib.suppress(OSError, ValueError):
-        os.kill(int(open(pid_file).read()), 15)
+        os.kill(int(Path(pid_file).read_text()), 15)
 
 
 @contextlib.contextmanager
@@ -152,7 +152,7 @@ def main(argv=None):
                                f"--export=ALL,MASTER_ADDR=127.0.0.1,MASTER_PORT={port},OMP_NUM_THREADS=1",
                                sys.executable, script, out], env=env, timeout=120)
         for name in sorted(n for n in os.listdir(out) if n.startswith("rank")):
-            print(open(os.path.join(out, name)).read())
+            print(Path(out, name).read_text())
     return done.returncode
 
 

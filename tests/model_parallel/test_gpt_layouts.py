@@ -223,7 +223,7 @@ def test_copies_of_a_parameter_stay_bitwise_equal(pools, tokens, changes):
     data = changes.pop("data", tokens)
     per_rank = pools(6).run(copies, data, **changes)
     seen = {}
-    for rank, mine in enumerate(per_rank):
+    for _rank, mine in enumerate(per_rank):
         for name, sha in mine.items():
             seen.setdefault(name, set()).add(sha)
     assert all(len(shas) == 1 for shas in seen.values()), {k: len(v) for k, v in seen.items() if len(v) > 1}

@@ -47,7 +47,7 @@ WORKER = textwrap.dedent("""
 
 def test_recv_without_src_returns_the_sender_and_its_data():
     results = spawn_job(WORKER, 3, timeout=100)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, err[-3000:]
     report = json.loads(results[0][1].splitlines()[-1])
     got = report["any"]  # rank 1's two messages in the order it sent them, rank 2's anywhere

@@ -118,7 +118,7 @@ def reductions():
     case = "reduce"
     x = data(case, RANK, (13,), torch.float64)
     root = 1 % N
-    check(case, lambda g: [_reduced(x, R.SUM, g, root)][:1 if RANK == root else 0], exact=N == 2)
+    check(case, lambda g: [_reduced(x, R.SUM, g, root)][:1 if root == RANK else 0], exact=N == 2)
 
 
 def beyond_gloo():

@@ -19,6 +19,6 @@ def ptx(tmp_path_factory):
         results = {key: f.result() for key, f in futures.items()}
     failed = {key: log for key, (rc, log) in results.items() if rc != 0}
     assert not failed, "nvcc failed:\n" + "\n".join(f"{k}: {log}" for k, log in failed.items())
-    for key, (rc, log) in results.items():
+    for key, (_rc, log) in results.items():
         assert "warning" not in log.lower(), f"nvcc warns on {key}: {log}"
     return {name: (tmp / f"{name}.ptx").read_text() for name in jobs}

@@ -248,7 +248,7 @@ def test_reduce_scatter(n, dtype, opname, algorithm):
     for m in lengths(n):
         xs = stacked(n, n * m, dtype, opname)
 
-        def body(r, link):
+        def body(r, link, xs=xs, m=m):
             x, out = xs[r].copy(), np.full(m, 77, dtype)
             if algorithm == "ring":
                 ring.reduce_scatter(link, out, x, op)
@@ -268,7 +268,7 @@ def test_all_gather(n, dtype, algorithm):
     for m in lengths(n):
         xs = stacked(n, m, dtype, "sum")
 
-        def body(r, link):
+        def body(r, link, xs=xs, m=m):
             x, out = xs[r].copy(), np.full(n * m, 77, dtype)
             if algorithm == "ring":
                 ring.all_gather(link, out, x)
@@ -288,7 +288,7 @@ def test_broadcast_from_every_root(n, dtype, algorithm):
         for count in (0, 1, max(n - 1, 0), 61):
             xs = stacked(n, count, dtype, "sum", seed=root)
 
-            def body(r, link):
+            def body(r, link, xs=xs, root=root):
                 x = xs[r].copy()
                 if algorithm == "ring":
                     ring.broadcast(link, x, root)
@@ -308,7 +308,7 @@ def test_reduce_to_every_root(n, dtype, opname, algorithm):
         for count in (0, 1, max(n - 1, 0), 61):
             xs = stacked(n, count, dtype, opname, seed=root)
 
-            def body(r, link):
+            def body(r, link, xs=xs, root=root):
                 x = xs[r].copy()
                 if algorithm == "ring":
                     ring.reduce(link, x, root, op)

@@ -17,7 +17,7 @@ def assert_partition(bounds, start, stop):
     """``bounds`` cover [start, stop) contiguously, in order, with no overlap or gap."""
     assert bounds[0][0] == start
     assert bounds[-1][1] == stop
-    for (lo, hi), (next_lo, _) in zip(bounds, bounds[1:]):
+    for (_, hi), (next_lo, _) in zip(bounds, bounds[1:]):
         assert hi == next_lo
     for lo, hi in bounds:
         assert lo <= hi

@@ -147,7 +147,7 @@ def test_reduce_scatter_matches_numpy(layout, dtype, opname):
     for m in (0, 1, 5, 16):
         xs = stacked(n, n * m, dtype, opname)
 
-        def body(r, link):
+        def body(r, link, xs=xs, m=m):
             x = xs[r].copy()
             out = np.zeros(m, dtype)
             hier.reduce_scatter(link, out, x, op)
@@ -170,7 +170,7 @@ def test_all_gather_matches_numpy(layout):
     for m in (0, 1, 7, 16):
         xs = stacked(n, m, np.float32, "sum")
 
-        def body(r, link):
+        def body(r, link, m=m, xs=xs):
             out = np.zeros(n * m, np.float32)
             hier.all_gather(link, out, xs[r].copy())
             return out
@@ -194,7 +194,7 @@ def test_broadcast_crosses_each_host_boundary_once(layout, count):
     for root in range(n):
         xs = stacked(n, count, np.float32, "sum")
 
-        def body(r, link):
+        def body(r, link, xs=xs, root=root):
             x = xs[r].copy()
             hier.broadcast(link, x, root)
             return x
@@ -216,7 +216,7 @@ def test_reduce_reaches_the_root_only(layout, dtype, opname):
     for root in range(n):
         xs = stacked(n, count, dtype, opname)
 
-        def body(r, link):
+        def body(r, link, xs=xs, root=root):
             x = xs[r].copy()
             hier.reduce(link, x, root, op)
             return x
@@ -265,7 +265,7 @@ def test_large_buffers_take_the_chain_inside_hosts(layout):
         assert_matches(run.results[r], reference("sum", xs))
         assert run.results[r].tobytes() == run.results[0].tobytes()
     for root in (0, n - 1):
-        def reduce_body(r, link):
+        def reduce_body(r, link, root=root):
             y = xs[r].copy()
             hier.reduce(link, y, root, parse_op("sum", np.float64))
             return y

@@ -1,9 +1,10 @@
-"""ringcomm.kernels on this machine and on a stand-in CuPy: the sources ship beside the
-dispatcher and in the wheel, and on numpy arrays the dispatch functions are the references; on
-stand-in device arrays each launch passes the arguments its kernel's PTX signature asks for, the
-dtypes no kernel takes are refused before anything is launched, and numpy models of the kernels
-compute what the references compute, bit for bit. (test_kernels_compile.py compiles the sources,
-test_kernels_reference.py and test_kernels_adam.py check the references.)"""
+"""ringcomm.kernels on this machine and on a stand-in CuPy: the sources are read from the
+top-level kernels/ in a checkout and from ringcomm/kernels/cuda/ in a wheel; on numpy arrays the
+dispatch functions are the references; on stand-in device arrays each launch passes the
+arguments its kernel's PTX signature asks for, the dtypes no kernel takes are refused before
+anything is launched, and numpy models of the kernels compute what the references compute, bit
+for bit. (test_kernels_compile.py compiles the sources, test_kernels_reference.py and
+test_kernels_adam.py check the references.)"""
 import importlib.util
 import math
 import shutil

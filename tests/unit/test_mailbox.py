@@ -181,7 +181,7 @@ def test_abort_carries_a_timeouts_cause(cause, name):
 
 
 def test_abort_mapping_is_the_documented_one():
-    assert ABORT_CLASSES == {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked}
+    assert {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked} == ABORT_CLASSES
 
 
 def test_a_revoked_abort_revokes_the_communicator_here_whatever_its_collective():
