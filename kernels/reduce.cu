@@ -126,15 +126,16 @@ __device__ __forceinline__ void divide_impl(T* x, typename Compute<T>::type divi
         rc::impl<T, rc::Op>(out, a, b, n);                                                \
     }
 
+// both forms of one op: in place (acc op= incoming) and out of place (out = a op b)
+#define RC_REDUCE_BOTH(opname, form, Op, suffix, T)                                       \
+    RC_REDUCE_ENTRY(opname, form##_impl, Op, suffix, T)                                    \
+    RC_REDUCE_OUT_ENTRY(opname, form##_out_impl, Op, suffix, T)
+
 #define RC_REDUCE_ALL_OPS(suffix, T)                                                       \
-    RC_REDUCE_ENTRY(sum, reduce_impl, OpSum, suffix, T)                                    \
-    RC_REDUCE_ENTRY(prod, reduce_impl, OpProd, suffix, T)                                  \
-    RC_REDUCE_ENTRY(max, select_impl, OpMax, suffix, T)                                    \
-    RC_REDUCE_ENTRY(min, select_impl, OpMin, suffix, T)                                    \
-    RC_REDUCE_OUT_ENTRY(sum, reduce_out_impl, OpSum, suffix, T)                            \
-    RC_REDUCE_OUT_ENTRY(prod, reduce_out_impl, OpProd, suffix, T)                          \
-    RC_REDUCE_OUT_ENTRY(max, select_out_impl, OpMax, suffix, T)                            \
-    RC_REDUCE_OUT_ENTRY(min, select_out_impl, OpMin, suffix, T)
+    RC_REDUCE_BOTH(sum, reduce, OpSum, suffix, T)                                          \
+    RC_REDUCE_BOTH(prod, reduce, OpProd, suffix, T)                                        \
+    RC_REDUCE_BOTH(max, select, OpMax, suffix, T)                                          \
+    RC_REDUCE_BOTH(min, select, OpMin, suffix, T)
 
 RC_REDUCE_ALL_OPS(f16, rc::half)
 RC_REDUCE_ALL_OPS(f32, float)
@@ -143,12 +144,9 @@ RC_REDUCE_ALL_OPS(i32, int)
 RC_REDUCE_ALL_OPS(i64, long long)
 
 #define RC_REDUCE_BITWISE(suffix, T)                                                       \
-    RC_REDUCE_ENTRY(band, reduce_impl, OpBand, suffix, T)                                  \
-    RC_REDUCE_ENTRY(bor, reduce_impl, OpBor, suffix, T)                                    \
-    RC_REDUCE_ENTRY(bxor, reduce_impl, OpBxor, suffix, T)                                  \
-    RC_REDUCE_OUT_ENTRY(band, reduce_out_impl, OpBand, suffix, T)                          \
-    RC_REDUCE_OUT_ENTRY(bor, reduce_out_impl, OpBor, suffix, T)                            \
-    RC_REDUCE_OUT_ENTRY(bxor, reduce_out_impl, OpBxor, suffix, T)
+    RC_REDUCE_BOTH(band, reduce, OpBand, suffix, T)                                        \
+    RC_REDUCE_BOTH(bor, reduce, OpBor, suffix, T)                                          \
+    RC_REDUCE_BOTH(bxor, reduce, OpBxor, suffix, T)
 
 RC_REDUCE_BITWISE(i32, int)
 RC_REDUCE_BITWISE(i64, long long)
