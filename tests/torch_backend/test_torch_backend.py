@@ -57,7 +57,7 @@ def test_torch_trainers_match_gloo(tmp_path, n):
             assert outcome["identical"], f"rank {rank} {variant}: ranks differ"
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [3, 4])  # an odd and an even ring; N = 2 adds nothing to the order
 def test_powersgd_with_several_buckets_matches_one_process(tmp_path, n):
     """With inline futures, PowerSGD's callbacks and the autograd thread issue collectives in
     one order on every rank, whatever the number of buckets (1, 2 and 4 here)."""
