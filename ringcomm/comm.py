@@ -28,7 +28,6 @@ Costs below are per rank for n ranks and S bytes, with the ring.
 import math
 import numbers
 import time
-import weakref
 from collections import defaultdict
 
 import numpy as np
@@ -85,7 +84,6 @@ class Communicator:
         self._stats = Stats()
         self._closed = False
         self._threads = ThreadGuard(name, self._revoke)
-        self._issued = weakref.WeakSet()  # collectives' works, and calls run inline (see close)
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x, op="sum", algorithm="auto", async_op=False):
@@ -313,7 +311,7 @@ class Communicator:
         """Release the communicator. Closing the world also stops the communication thread
         after the queued work and says goodbye to every peer; idempotent. Raises
         :class:`CommError` (and closes nothing) while another thread has a collective in
-        progress on it.
+        progress on it, unless ``guard_threads`` is off.
 
         ``grace`` (seconds): queued and running calls may take this long to finish; then
         on the world every one left fails with :class:`CommError` and the close ends within
@@ -334,16 +332,9 @@ class Communicator:
         self._closed = True
         if self._is_world:
             self._engine.close(grace=grace)
-        elif grace is not None:
-            deadline = time.monotonic() + grace
-            with self._engine.lock:  # a thread may still be queueing one (torch's groups are unguarded)
-                issued = list(self._issued)
-            for work in issued:
-                while not work.is_completed() and time.monotonic() < deadline:
-                    time.sleep(0.002)
-            if any(not work.is_completed() for work in issued):
-                self._revoke(f"rank {self.ranks[self.rank]} closed {self.name} while this "
-                             f"collective was in flight")
+        elif grace is not None and not self._threads.wait_idle(time.monotonic() + grace):
+            self._revoke(f"rank {self.ranks[self.rank]} closed {self.name} while this "
+                         f"collective was in flight")
 
     def __enter__(self):
         return self
@@ -477,11 +468,8 @@ class Communicator:
             call = Call(comm=self, body=body, space=space, seq=seq, sig=sig, dtype=x.dtype, what=what,
                         device=device, result=result, ready=ready)
             if route is None and not async_op and engine.hold():
-                self._issued.add(call)
                 return call, None  # a collective never defers: nothing for the thread to finish
             work = engine.submit(call.run, what, inline=not async_op)
-            if route is None:
-                self._issued.add(work)
             if isinstance(route, receives.Ticket) and route.any:
                 # however it ends, a receive from any source that found no message must not
                 # hold back the receives posted behind it on its tag

@@ -31,30 +31,33 @@ neither guarded nor revoked.
 >>> user = guard.enter("all_reduce"); ...; guard.leave(user)
 """
 import threading
+import time
 
 from .errors import CommError, Revoked
 
 
 class ThreadGuard:
+    """Which threads have calls inside this communicator, and their async works not yet
+    complete: kept whether or not the guard refuses (``enabled``), so that ``close`` can
+    wait for what is in flight (:meth:`wait_idle`) with the guard on or off."""
+
     def __init__(self, name, revoke):
         self.name = name
         self.revoke = revoke  # revoke(why): revoke the communicator on every rank
-        self.enabled = True  # off: every claim is granted (the caller orders calls itself)
+        self.enabled = True  # off: a second thread is let in (the caller orders calls itself)
         self._users = {}  # thread ident -> [calls inside, async works not yet complete]
         self._lock = threading.Lock()
 
     def enter(self, collective):
-        """Claim the communicator for this thread's call (raises if another thread has it);
-        ``None`` when the guard is off."""
-        if not self.enabled:
-            return None
+        """Claim the communicator for this thread's call; raises (and revokes) if another
+        thread has a call in flight and the guard is on."""
         me = threading.get_ident()
         with self._lock:
             user = self._users.get(me)
             if user is not None and len(self._users) == 1 and not user[1]:
                 user[0] += 1  # the one thread that uses it, with no async work pending
                 return user
-            if self._busy_elsewhere(me):
+            if self._busy_elsewhere(me) and self.enabled:
                 why = (f"{self.name}: {collective} called from one thread while another has a "
                        f"collective in progress on this communicator: ranks could pair one "
                        f"thread's calls with another's, so it is revoked on every rank; issue "
@@ -67,12 +70,24 @@ class ThreadGuard:
             return user
 
     def check_idle(self, what):
-        """Raise :class:`CommError` if a thread other than this one has a call in progress."""
+        """Raise :class:`CommError` if the guard is on and a thread other than this one has
+        a call in flight."""
         with self._lock:
-            if self._busy_elsewhere(threading.get_ident()):
+            if self.enabled and self._busy_elsewhere(threading.get_ident()):
                 raise CommError(f"{self.name}: {what} called while another thread has a "
                                 f"collective in progress on this communicator; call it after "
                                 f"that collective returns")
+
+    def wait_idle(self, deadline):
+        """Wait until no thread has a call inside or an async work unfinished, or until
+        ``deadline`` (``time.monotonic()``); True if it became idle."""
+        while True:
+            with self._lock:
+                if not self._busy_elsewhere(None):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
 
     def _busy_elsewhere(self, me):
         """True if a thread other than ``me`` has a call inside or async work unfinished."""
@@ -84,9 +99,10 @@ class ThreadGuard:
 
     def leave(self, user, work=None):
         """The call returned; an unfinished ``work`` keeps the claim until it completes."""
-        if user is None:
+        if user is None:  # a point-to-point call, which is not claimed
             return
         with self._lock:
             user[0] -= 1
             if work is not None and not work.is_completed():
+                user[1][:] = [w for w in user[1] if not w.is_completed()]
                 user[1].append(work)
