@@ -25,6 +25,7 @@ Point-to-point calls (``Space.POINT_TO_POINT``) skip what only collectives need 
 aborts, retirement): they are numbered per peer and tag, not in the communicator's
 collective order.
 """
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ def error_for(notice, seq):
     return exc
 
 
-@dataclass(eq=False, kw_only=True)  # a call is itself: held in weak sets (Communicator.close)
+@dataclass(eq=False, kw_only=True)  # a call is itself: never equal to another with equal fields
 class Call:
     """One collective or point-to-point call of a communicator (``comm``)."""
 
@@ -73,14 +74,8 @@ class Call:
     result: object    # what the caller gets back
     ready: object = None       # device.ready() on the submitting thread
     completion: object = None  # device.done() once the device work is all queued
-    finished: bool = False     # a call its caller's thread ran has returned or raised
 
-    def is_completed(self):
-        """True once a call its caller's thread ran itself has ended (Communicator.close
-        waits for such calls as for queued works)."""
-        return self.finished
-
-    def run(self, transport):
+    def run(self, transport):  # noqa: C901 - a hot path (every call runs it once): one body, no helper calls
         comm, space, seq = self.comm, self.space, self.seq
         link = Link(transport, ranks=comm.ranks, rank=comm.rank, comm_id=comm.comm_id, space=space,
                     seq=seq, sig=self.sig, dtype=self.dtype, segment_bytes=comm.segment_bytes,
@@ -205,10 +200,8 @@ class Call:
             return
         if self.space != COLLECTIVE:
             return
-        try:
+        with contextlib.suppress(Exception):  # the original error is what matters
             transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)
-        except Exception:  # noqa: BLE001 - the original error is what matters
-            pass
 
 
 def _noted(transport, exc):

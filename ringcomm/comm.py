@@ -59,7 +59,9 @@ class Communicator:
     another thread has one in progress and revokes the communicator on every rank
     (:mod:`ringcomm.threads`); set it False where the
     caller itself orders collectives across threads identically on every rank (the contract
-    torch.distributed gives its backends).
+    torch.distributed gives its backends). Off, it still counts what each thread has in
+    flight (a group's ``close(grace=...)`` waits for it), so turning it back on while another
+    thread's ``async_op`` work is unfinished makes the next collective from this one revoke.
     """
 
     def __init__(self, engine, *, ranks, rank, comm_id, name, timeout, segment_bytes, is_world,
@@ -433,13 +435,13 @@ class Communicator:
                 try:
                     result = call.run(self._engine.transport)
                 finally:
-                    call.finished = True
                     self._engine.release()
                 call.join()
                 return result
             return work if async_op else work.wait()
         finally:
-            self._threads.leave(user, work if async_op else None)
+            # a blocking call interrupted in its wait leaves its work queued: it still counts
+            self._threads.leave(user, work)
 
     def _queue(self, body, sig, x, result, async_op, verb, route):
         """The call, and its queued :class:`~ringcomm.engine.Work` (None: a synchronous

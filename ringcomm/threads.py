@@ -32,6 +32,7 @@ neither guarded nor revoked.
 """
 import threading
 import time
+import weakref
 
 from .errors import CommError, Revoked
 
@@ -45,7 +46,8 @@ class ThreadGuard:
         self.name = name
         self.revoke = revoke  # revoke(why): revoke the communicator on every rank
         self.enabled = True  # off: a second thread is let in (the caller orders calls itself)
-        self._users = {}  # thread ident -> [calls inside, async works not yet complete]
+        # thread ident -> [calls inside, weak references to its works not yet complete]
+        self._users = {}
         self._lock = threading.Lock()
 
     def enter(self, collective):
@@ -93,16 +95,23 @@ class ThreadGuard:
         """True if a thread other than ``me`` has a call inside or async work unfinished."""
         busy = False
         for ident, (inside, works) in self._users.items():
-            works[:] = [w for w in works if not w.is_completed()]
+            works[:] = _unfinished(works)
             busy = busy or (ident != me and bool(inside or works))
         return busy
 
     def leave(self, user, work=None):
-        """The call returned; an unfinished ``work`` keeps the claim until it completes."""
+        """The call returned (or was interrupted while it waited); an unfinished ``work``
+        keeps the claim until it completes."""
         if user is None:  # a point-to-point call, which is not claimed
             return
         with self._lock:
             user[0] -= 1
             if work is not None and not work.is_completed():
-                user[1][:] = [w for w in user[1] if not w.is_completed()]
-                user[1].append(work)
+                user[1][:] = _unfinished(user[1])
+                user[1].append(weakref.ref(work))
+
+
+def _unfinished(refs):
+    """The works still in flight; one no longer referenced anywhere is out of the engine's
+    queue, so it has ended."""
+    return [ref for ref in refs if (work := ref()) is not None and not work.is_completed()]

@@ -79,3 +79,19 @@ def test_guard_on_after_unguarded_use_still_sees_the_work_in_flight():
     assert len(revoked) == 1 and "another has a collective in progress" in revoked[0]
     work.done = True
     guard.leave(guard.enter("all_reduce"))
+
+
+@pytest.mark.timeout(30)
+def test_the_guard_keeps_no_work_alive():
+    """Only weak references: a work (and the result it holds) the caller dropped is freed,
+    and one the engine no longer holds counts as ended."""
+    import gc
+    import weakref
+    guard = ThreadGuard("g", revoke=lambda why: None)
+    work = FakeWork()
+    guard.leave(guard.enter("all_reduce"), work)
+    alive = weakref.ref(work)
+    assert not guard.wait_idle(time.monotonic() + 0.02)
+    del work
+    gc.collect()
+    assert alive() is None and guard.wait_idle(time.monotonic() + 5)
