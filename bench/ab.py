@@ -61,14 +61,14 @@ def run_tree(tree, args, scratch):
 def main(argv=None):
     args = parse_args(argv)
     trees = {"before": args.before, "after": args.after}
-    times, gloo = {}, {}  # (label, n, size, algorithm) -> [per run]
+    times, gloo = {}, {}  # (label, n, size, algorithm) -> {run: µs}, [per run]
     wrong = 0
     with tempfile.TemporaryDirectory() as scratch:
         for k in range(args.runs):
             for label in (list(trees) if k % 2 == 0 else list(reversed(trees))):
                 source, cells = run_tree(trees[label], args, scratch)
                 for (n, size, algorithm), (t, bad, vs_gloo) in cells.items():
-                    times.setdefault((label, n, size, algorithm), []).append(t)
+                    times.setdefault((label, n, size, algorithm), {})[k] = t
                     gloo.setdefault((label, n, size, algorithm), []).append(vs_gloo)
                     wrong += bad
                 print(f"# run {k} {label}: {source}", flush=True)
@@ -79,13 +79,15 @@ def main(argv=None):
         after = times.get(("after", n, size, algorithm))
         if label != "before" or not after:
             continue
-        ratios = [a / b for a, b in zip(after, before)]
+        # a run that lost this cell on one side has no ratio; the rest pair run by run
+        ratios = [after[k] / before[k] for k in sorted(before.keys() & after.keys())]
+        before, after = list(before.values()), list(after.values())
         vs = {side: statistics.median(v for v in gloo[(side, n, size, algorithm)] if v is not None)
               for side in trees}
         row = dict(world_size=n, size_bytes=size, algorithm=algorithm,
                    before_us=statistics.median(before), after_us=statistics.median(after),
                    ratio=statistics.median(after) / statistics.median(before),
-                   spread=(min(ratios), max(ratios)), runs=args.runs,
+                   spread=(min(ratios), max(ratios)) if ratios else None, runs=args.runs,
                    before_vs_gloo=vs["before"], after_vs_gloo=vs["after"])
         rows.append(row)
         print(f"{n:>3} {algorithm:>9} {size:>10} {row['before_us']:>11.1f} {row['after_us']:>11.1f} "

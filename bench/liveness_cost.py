@@ -14,12 +14,15 @@ live transport (``timeit``, best of 5; the other ranks wait meanwhile):
 - the full poll (``zmq_poll`` with timeout 0) against the same poll without the pidfds and
   the wake pipe: the difference is what liveness adds to each full poll;
 - ``await_room``: the credit check before each send of collective data (timed with room);
+- ``on_retire``: the receiver's look for WANTs to answer as each collective ends;
 - credit messages (WANT and GRANT) counted per call; each costs one control message, whose
   price is timed as posting a GRANT that changes nothing at the peer, and each one
   received as its unpacking and filing (``credit received``).
 
 Per rank and algorithm: pieces, runs per call, µs each, µs per call, and their sum against
-the median call time measured in the same job. The added cost is the sum's share of the call.
+the median call time measured in the same job: the counted pieces' share of the call. Not
+counted: the revocation flag tests (one attribute read each), the link's record of which
+peers had room, and the bell rings and channel reads of the credit messages.
 """
 import argparse
 import json
@@ -63,6 +66,7 @@ def measure(comm, size, calls, algorithm):
     if t.credit is not None:
         counters["credit messages"] = Counter(t.credit, "_send")
         received = [Counter(t.credit, "on_want"), Counter(t.credit, "on_grant")]
+        counters["on_retire"] = Counter(t.credit, "on_retire")
     polls = [0]
     real_poll = zmq.zmq_poll
 
@@ -81,19 +85,18 @@ def measure(comm, size, calls, algorithm):
                 raise SystemExit(f"rank {comm.rank}: wrong result {x[0]}")
     finally:
         zmq.zmq_poll = real_poll
-        for c in counters.values():
+        for c in [*counters.values(), *(received if t.credit is not None else [])]:
             c.restore()
     per_call = {name: c.n / calls for name, c in counters.items()}
     if t.credit is not None:
         per_call["credit received"] = sum(c.n for c in received) / calls
-        for c in received:
-            c.restore()
     per_call["full poll"] = polls[0] / calls
     unit = {}
     for r in range(comm.world_size):  # one rank at a time times its pieces; the rest wait
         comm.barrier()
         if r == comm.rank:
-            unit = unit_costs(t, (comm.rank + 1) % comm.world_size, real_poll)
+            with comm._engine._busy:  # the transport is this thread's alone meanwhile
+                unit = unit_costs(t, (comm.rank + 1) % comm.world_size, real_poll)
     comm.barrier()
     return {"rank": comm.rank, "algorithm": algorithm, "median_us": float(np.median(times)) * 1e6,
             "per_call": per_call, "unit_us": unit}
@@ -102,7 +105,8 @@ def measure(comm, size, calls, algorithm):
 def unit_costs(t, peer, poll):
     """µs each piece takes alone on transport ``t`` (``peer``: the one its checks name)."""
     unit = {"_check_peers": best_us(lambda: t._check_peers("bench", peer), 20000),
-            "await_room": best_us(lambda: t.await_room(peer, 0, 0, math.inf, "bench"), 50000)}
+            "await_room": best_us(lambda: t.await_room(peer, 0, 0, math.inf, "bench"), 50000),
+            "on_retire": best_us(lambda: t.credit.on_retire(0), 50000)}
     liveness = set(t._watch.fds) | {t._wake_in}
     bare = [item for item in t._poll_all if item[0] not in liveness]
     full, without = best_us(lambda: poll(t._poll_all, 0), 5000), best_us(lambda: poll(bare, 0), 5000)
