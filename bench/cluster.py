@@ -180,7 +180,7 @@ def measure(args, H, L, tmp, rows, training):
             before = cluster.link_bytes()
             res = run_all_reduces(cluster, args, algo, encrypt, os.path.join(tmp, f"h{H}l{L}{algo}{encrypt}.json"))
             calls = args.iters + args.warmup
-            link_sent = max(a[0] - b[0] for a, b in zip(cluster.link_bytes(), before)) / calls
+            link_sent = max(a[0] - b[0] for a, b in zip(cluster.link_bytes(), before, strict=True)) / calls
             S, cell = res["size_bytes"], res[algo]
             pred, sent_formula = predicted(algo, H, L, S, bandwidth)
             pred += res.get("host_all_reduce_us", 0.0) / 1e6

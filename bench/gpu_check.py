@@ -41,6 +41,7 @@ what it measured: a step that runs out of time is recorded as timed out, and ste
 when the budget is spent are listed under ``not_run``.
 """
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -275,10 +276,8 @@ class _Reader:
 
 
 def _kill_group(proc):
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is gone already
-        pass
 
 
 def marked(result, tag):

@@ -26,6 +26,7 @@ The pieces (P: this process id, so concurrent runs never meet):
 Nothing is added to the machine's own namespace; the addresses exist only in these
 namespaces. ``close`` deletes the namespaces (their veth ends go with them).
 """
+import contextlib
 import json
 import os
 import secrets
@@ -205,9 +206,7 @@ def kill_started():
     """SIGKILL every process group spawn() started that is still running."""
     for proc in STARTED:
         if proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
     STARTED.clear()

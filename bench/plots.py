@@ -71,12 +71,12 @@ def plot_collectives(path, data, out):
     fig, axes = plt.subplots(rows_, cols, figsize=(4.5 * cols, 3.6 * rows_), squeeze=False)
     for ax in axes.flat[len(collectives):]:
         ax.set_visible(False)
-    for ax, collective in zip(axes.flat, collectives):
+    for ax, collective in zip(axes.flat, collectives, strict=False):
         mine = [r for r in rows if r["collective"] == collective]
         for algo in dict.fromkeys(r["algorithm"] for r in mine):
             pts = sorted((r["size_bytes"], r["busbw"]) for r in mine if r["algorithm"] == algo)
             color, marker = STYLE.get(algo, (None, "."))
-            ax.plot(*zip(*pts), marker=marker, color=color, label=algo, ms=4)
+            ax.plot(*zip(*pts, strict=True), marker=marker, color=color, label=algo, ms=4)
         size_axis(ax, [r["size_bytes"] for r in mine])
         ax.set_title(f"{collective}, N={n}")
         ax.set_xlabel("size (bytes)")
@@ -100,7 +100,7 @@ def plot_scaling(files, out, fixed):
     for algo in ("ring", "ps"):
         pts = sorted((n, t / 1e3) for (a, n), t in points.items() if a == algo)
         color, marker = STYLE[algo]
-        ax.plot(*zip(*pts), marker=marker, color=color, label=algo)
+        ax.plot(*zip(*pts, strict=True), marker=marker, color=color, label=algo)
     ax.set_xlabel("world size N (processes on this host)")
     ax.set_ylabel("all_reduce time (ms)")
     ax.set_title(f"all_reduce {human(fixed)} float32: ring vs PS (loopback)")
@@ -145,7 +145,7 @@ def plot_cluster(data, out):
     rows = [r for r in data["rows"] if r.get("encrypted", True)] or data["rows"]
     per_host = sorted({r.get("ranks_per_host", 1) for r in rows})
     fig, axes = plt.subplots(1, len(per_host), figsize=(5.5 * len(per_host), 3.8), squeeze=False)
-    for ax, L in zip(axes[0], per_host):
+    for ax, L in zip(axes[0], per_host, strict=True):
         for algo in ("ring", "hier", "ps"):
             pts = sorted((r["world_size"], r["time_us"] / 1e3, r["predicted_us"] / 1e3) for r in rows
                          if r["algorithm"] == algo and r.get("ranks_per_host", 1) == L)

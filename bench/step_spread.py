@@ -39,7 +39,7 @@ def torch_worker(args):
     torch.manual_seed(0)
     widths = [int(w) for w in args.layers.split(",")]
     layers = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
         layers.append(torch.nn.Linear(a, b))
         if i < len(widths) - 2:
             layers.append(torch.nn.ReLU())

@@ -22,6 +22,7 @@ stops happened.
 stopped rank must only slow the others down, never fail them.
 """
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -115,10 +116,8 @@ class Stopper:
         """SIGCONT every rank still there: never leave one stopped."""
         for p in self.procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
         self.stopped = None
 
 

@@ -54,7 +54,7 @@ def worker(args):
     torch.manual_seed(0)
     widths = [int(w) for w in args.layers.split(",")]
     layers = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
         layers += [torch.nn.Linear(a, b)] + ([torch.nn.ReLU()] if i < len(widths) - 2 else [])
     model = torch.nn.Sequential(*layers)
     if args.mode in ("ddp", "floor"):

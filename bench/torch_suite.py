@@ -41,6 +41,7 @@ Needs pytest and expecttest (the suite's common_utils imports it); takes about h
 per backend and world size on 2 cores.
 """
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -245,10 +246,8 @@ def kill_group(proc):
         except subprocess.TimeoutExpired:
             continue
         if sig == signal.SIGTERM:  # pytest is gone; its ranks may not be
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         break
 
 

@@ -100,7 +100,7 @@ def plot(results, sizes, path):
         axes[1].bar(xs, [r["peak_bytes"] / 2 ** 20 for r in rows], width, label=f"N={n}")
         axes[2].bar(xs, [r["sent_per_step_max"] / 2 ** 20 for r in rows], width, label=f"N={n}")
     for ax, title in zip(axes, ["median step time (ms)", "peak model state per rank (MiB)",
-                                "bytes sent per step, busiest rank (MiB)"]):
+                                "bytes sent per step, busiest rank (MiB)"], strict=True):
         ax.set_xticks([i + width * (len(sizes) - 1) / 2 for i in range(len(STRATEGIES))], STRATEGIES)
         ax.set_title(title)
         ax.legend()

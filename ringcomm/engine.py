@@ -228,7 +228,7 @@ class Engine:
         core, and the GIL, from the compute it overlaps."""
         return _waiting > 0 or threading.get_ident() != self._thread.ident
 
-    def _loop(self, ready):
+    def _loop(self, ready):  # noqa: C901 - a hot path (the communication thread's loop, once per queued call): one body, no helper calls
         ready._run(None)
         if ready.exception() is not None:
             return

@@ -25,6 +25,7 @@ start-up (:func:`remove_stale`) and by the launcher when its workers end
 (:func:`remove_owned_by`). A file made in another pid namespace (another container sharing
 the directory) is never judged: its pid means nothing here.
 """
+import contextlib
 import logging
 import os
 import re
@@ -133,10 +134,8 @@ def remove_where(directory, doomed):
     """Remove every file of ``directory`` whose name ``doomed(name)`` condemns."""
     for name in os.listdir(directory):
         if doomed(name):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
 
 
 def remove_stale(directory):

@@ -109,10 +109,9 @@ def compare(got, expected, tol=None):
     """None if ``got`` matches, else a sentence naming the first wrong element."""
     if got.shape != expected.shape:
         return f"shape {got.shape}, expected {expected.shape}"
-    if tol is None:
-        bad = got.astype(expected.dtype) != expected
-    else:
-        bad = ~(np.abs(got.astype(np.float64) - expected) <= tol)
+    # with a tolerance, NaN counts as wrong: it is never within one
+    bad = (got.astype(expected.dtype) != expected if tol is None
+           else ~(np.abs(got.astype(np.float64) - expected) <= tol))
     if not bad.any():
         return None
     i = int(np.flatnonzero(bad)[0])
@@ -154,6 +153,20 @@ class Checks:
 
 
 def check_collectives(comm, checks, inputs, lengths):
+    """Every verb and algorithm against numpy, in this order on every rank (the calls pair
+    by their order): all-reduce, then the rooted and gathering collectives, barriers,
+    send/recv and a sub-group."""
+    _check_all_reduce(comm, checks, inputs, lengths)
+    _check_rooted_and_gathers(comm, checks, inputs, lengths)
+    _check_barriers(comm, checks)
+    if comm.world_size > 1:
+        _check_send_recv(comm, checks, inputs, lengths)
+    _check_group(comm, checks, inputs, lengths)
+
+
+def _check_all_reduce(comm, checks, inputs, lengths):
+    """Each dtype, length and op on every algorithm, and the results bitwise alike on every
+    rank (their crc32s gathered)."""
     n, r = comm.world_size, comm.rank
     algos = ["ring", "ps", "auto"] + (["rd"] if n & (n - 1) == 0 else [])
     crcs = []  # (check index, crc32 of this rank's all_reduce result)
@@ -170,11 +183,15 @@ def check_collectives(comm, checks, inputs, lengths):
     every = np.empty(n * len(crcs), np.int64)
     checks.call(("all_gather", "auto", "of all_reduce checksums"), comm.all_gather,
                 every, np.array([c for _, c in crcs], np.int64))
-    for (index, _), column in zip(crcs, every.reshape(n, -1).T):
+    for (index, _), column in zip(crcs, every.reshape(n, -1).T, strict=True):
         if r == 0 and len(set(column.tolist())) > 1:  # rank 0 reports it for everyone
             checks.fail(index, f"results differ across ranks (crc32 by rank: {column.tolist()})")
     inputs.clear()
 
+
+def _check_rooted_and_gathers(comm, checks, inputs, lengths):
+    """reduce_scatter, all_gather, broadcast from every root and reduce to every root."""
+    n, r = comm.world_size, comm.rank
     big = max(lengths)
     for algo in ("ring", "ps", "auto"):
         for dt in DTYPES:
@@ -208,6 +225,10 @@ def check_collectives(comm, checks, inputs, lengths):
                     checks.add("reduce", algo, label, error)
         inputs.clear()
 
+
+def _check_barriers(comm, checks):
+    """Each rank late in turn: no rank leaves a barrier before the last one entered it."""
+    n, r = comm.world_size, comm.rank
     stamps, barrier_checks = [], []
     for algo in ("ring", "ps", "auto"):
         for late in range(n):  # rank `late` enters 10 ms after the others
@@ -220,22 +241,30 @@ def check_collectives(comm, checks, inputs, lengths):
     every = np.empty(n * len(stamps), np.float64)
     checks.call(("all_gather", "auto", "of barrier times"), comm.all_gather, every, np.array(stamps))
     if r == 0 and comm.local_world_size == n:  # one host: perf_counter agrees between processes
-        for index, times in zip(barrier_checks, every.reshape(n, -1, 2).transpose(1, 0, 2)):
+        for index, times in zip(barrier_checks, every.reshape(n, -1, 2).transpose(1, 0, 2), strict=True):
             if times[:, 1].min() < times[:, 0].max():
                 checks.fail(index, f"a rank left at {times[:, 1].min():.6f} before the last "
                                    f"entered at {times[:, 0].max():.6f}")
 
-    if n > 1:
-        right, left = (r + 1) % n, (r - 1) % n
-        for dt in DTYPES:
-            for tag, length in enumerate(lengths):
-                stack, label = inputs.stack(dt, length, "extreme"), f"dtype={dt} length={length}"
-                got = np.empty(length, dt)
-                work = checks.call(("send/recv", "-", label), comm.send, stack[r], right, tag, True)
-                checks.call(("send/recv", "-", label), comm.recv, got, left, tag)
-                checks.call(("send/recv", "-", label), work.wait)
-                checks.add("send/recv", "-", label, compare(got, stack[left]))
 
+def _check_send_recv(comm, checks, inputs, lengths):
+    """Each rank sends to its right and receives from its left, one tag per length."""
+    n, r = comm.world_size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for dt in DTYPES:
+        for tag, length in enumerate(lengths):
+            stack, label = inputs.stack(dt, length, "extreme"), f"dtype={dt} length={length}"
+            got = np.empty(length, dt)
+            work = checks.call(("send/recv", "-", label), comm.send, stack[r], right, tag, True)
+            checks.call(("send/recv", "-", label), comm.recv, got, left, tag)
+            checks.call(("send/recv", "-", label), work.wait)
+            checks.add("send/recv", "-", label, compare(got, stack[left]))
+
+
+def _check_group(comm, checks, inputs, lengths):
+    """A sub-group of the even ranks all-reduces on every algorithm; the odd ranks, left
+    out, still record the checks (with no error) so every rank lists the same ones."""
+    n = comm.world_size
     members = list(range(0, n, 2))
     group = checks.call(("new_group", "-", f"ranks {members}"), comm.new_group, members)
     for algo in ("ring", "ps", "auto"):

@@ -9,6 +9,7 @@ replaced, so one broken test cannot spill into the next.
 >>> pool = RankPool(4)
 >>> results = pool.run(lambda_free_function, arg)     # one result per rank, rank order
 """
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -119,10 +120,8 @@ class RankPool:
 
     def close(self):
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(None)
-            except OSError:
-                pass
         for proc in self.procs:
             proc.join(10)
         self.kill()

@@ -130,17 +130,34 @@ def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
     parser, takes_value = _build_parser()
     own, rest = _split_argv(argv, takes_value)
     ns = parser.parse_args(own)
-    script, module, args = None, DEFAULT_MODULE, list(DEFAULT_ARGS)
+    script, module, args = _program(parser, rest)
+    _check_numbers(parser, ns)
+    addr = ns.master_addr or environ.get("MASTER_ADDR") or "127.0.0.1"
+    port, auto_port = _master_port(parser, ns, addr, environ)
+    return LaunchConfig(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
+                        master_addr=addr, master_port=port, auto_port=auto_port,
+                        max_restarts=ns.max_restarts, timeout=ns.timeout, device=ns.device,
+                        prefix=ns.prefix, script=script, module=module, args=args,
+                        secret=_secret(parser, ns, addr, port, environ),
+                        job_id=environ.get("RINGCOMM_JOB_ID") or (secrets.token_hex(8) if ns.nnodes == 1 else ""))
+
+
+def _program(parser, rest):
+    """``(script, module, args)`` of what each worker runs: ``-m module args``, ``script
+    args``, or the default module (the trainer's main job)."""
     if rest and rest[0].startswith("-m"):
         module = rest[0][2:] or (rest[1] if len(rest) > 1 else "")
-        args = rest[1:] if rest[0] != "-m" else rest[2:]
         if not module:
             parser.error("-m needs a module name")
-    elif rest:
-        script, module, args = rest[0], None, rest[1:]
-        if not os.path.exists(script):
-            parser.error(f"script not found: {script}")
+        return None, module, rest[1:] if rest[0] != "-m" else rest[2:]
+    if rest:
+        if not os.path.exists(rest[0]):
+            parser.error(f"script not found: {rest[0]}")
+        return rest[0], None, rest[1:]
+    return None, DEFAULT_MODULE, list(DEFAULT_ARGS)
 
+
+def _check_numbers(parser, ns):
     if ns.nproc < 1 or ns.nnodes < 1:
         parser.error("--nproc and --nnodes must be at least 1")
     if not 0 <= ns.node_rank < ns.nnodes:
@@ -150,37 +167,40 @@ def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
     if ns.timeout is not None and not 0 < ns.timeout < math.inf:  # also NaN and inf
         parser.error(f"--timeout must be a finite number of seconds > 0, got {ns.timeout}")
 
-    addr = ns.master_addr or environ.get("MASTER_ADDR") or "127.0.0.1"
-    port, auto_port = ns.master_port, False
+
+def _master_port(parser, ns, addr, environ):
+    """``(port, auto_port)``: --master-port, else MASTER_PORT, else a free port on one node
+    (chosen here) or the fixed multi-node default."""
+    port = ns.master_port
     if port is None and environ.get("MASTER_PORT"):
         try:
             port = int(environ["MASTER_PORT"])
         except ValueError:
             parser.error(f"MASTER_PORT is not a number: {environ['MASTER_PORT']!r}")
-    if port is None:
-        auto_port = ns.nnodes == 1
-        port = free_port(addr) if auto_port else DEFAULT_MULTINODE_PORT
+    if port is not None:
+        return port, False
+    if ns.nnodes == 1:
+        return free_port(addr), True
+    return DEFAULT_MULTINODE_PORT, False
 
+
+def _secret(parser, ns, addr, port, environ):
+    """The job secret: RINGCOMM_SECRET, else RINGCOMM_SECRET_FILE's, else a fresh one on one
+    node; across hosts one derived from the address only where insecure mode is allowed."""
     secret = environ.get("RINGCOMM_SECRET", "")
     if not secret and environ.get("RINGCOMM_SECRET_FILE"):
         try:
             secret = job_secret.from_file(environ["RINGCOMM_SECRET_FILE"])
         except ValueError as exc:
             parser.error(str(exc))
-    if not secret and ns.nnodes == 1:
-        secret = secrets.token_hex(16)
-    elif not secret and job_secret.insecure(environ):
-        secret = job_secret.derived(addr, port)
+    if secret:
+        return secret
+    if ns.nnodes == 1:
+        return secrets.token_hex(16)
+    if job_secret.insecure(environ):
         log(f"warning: {job_secret.INSECURE_WARNING}")
-    elif not secret:
-        parser.error(job_secret.missing_secret_message(f"--nnodes {ns.nnodes} spans several hosts"))
-
-    return LaunchConfig(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
-                        master_addr=addr, master_port=port, auto_port=auto_port,
-                        max_restarts=ns.max_restarts, timeout=ns.timeout, device=ns.device,
-                        prefix=ns.prefix, script=script, module=module, args=args,
-                        secret=secret, job_id=environ.get("RINGCOMM_JOB_ID") or
-                        (secrets.token_hex(8) if ns.nnodes == 1 else ""))
+        return job_secret.derived(addr, port)
+    parser.error(job_secret.missing_secret_message(f"--nnodes {ns.nnodes} spans several hosts"))
 
 
 def worker_env(cfg: LaunchConfig, local_rank: int, restart_count: int = 0,

@@ -212,17 +212,7 @@ class Coordinator:
 
     def _handle(self, node, doc):
         kind, rnd = doc.get("kind"), doc["round"]
-        if kind == "beat":
-            return
-        if kind == "join" and rnd == self._round + 1 and self._verdicts.get(self._round, (None,))[0] == RESTART:
-            self._round, self._joined, self._done = rnd, set(), set()
-            self._round_opened = time.monotonic()
-        if kind == "quit" and self._verdicts.get(rnd, (None,))[0] == RESTART and rnd in (self._round, self._round - 1):
-            # the round was to restart, but this node will not come: the next one cannot start
-            if rnd == self._round:
-                self._round, self._joined, self._done = rnd + 1, set(), set()
-            if self._round not in self._verdicts:
-                self._decide(GIVE_UP, f"node {node}'s launcher quit before round {rnd + 1}")
+        if kind == "beat" or self._between_rounds(node, kind, rnd):
             return
         if rnd != self._round:
             return  # a message of an earlier round: that round is decided
@@ -240,6 +230,22 @@ class Coordinator:
             restart = kind == "failed" and rnd < self.max_restarts
             why = f"node {node}'s workers failed" if kind == "failed" else f"node {node}'s launcher quit"
             self._decide(RESTART if restart else GIVE_UP, why)
+
+    def _between_rounds(self, node, kind, rnd):
+        """After a RESTART verdict: the first join of the next round opens it, and a quit
+        of either round gives the job up (the next round cannot start without that node).
+        True if ``kind`` was a quit handled here; a join goes on to be counted."""
+        restarting = self._verdicts.get(self._round, (None,))[0] == RESTART
+        if kind == "join" and rnd == self._round + 1 and restarting:
+            self._round, self._joined, self._done = rnd, set(), set()
+            self._round_opened = time.monotonic()
+        if kind == "quit" and self._verdicts.get(rnd, (None,))[0] == RESTART and rnd in (self._round, self._round - 1):
+            if rnd == self._round:
+                self._round, self._joined, self._done = rnd + 1, set(), set()
+            if self._round not in self._verdicts:
+                self._decide(GIVE_UP, f"node {node}'s launcher quit before round {rnd + 1}")
+            return True
+        return False
 
     def _decide(self, verdict, why):
         self._verdicts[self._round] = (verdict, why)

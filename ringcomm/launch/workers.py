@@ -8,6 +8,7 @@ sees is described in :mod:`ringcomm.launch`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -119,10 +120,10 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         # where each worker writes what ended it (see ringcomm.world): private, removed by kill()
         self.reports = tempfile.mkdtemp(prefix="ringcomm-reports-")
-        try:  # chosen before any worker starts: a fallback one reaches them all (RINGCOMM_RUN_DIR)
+        # chosen before any worker starts: a fallback one reaches them all (RINGCOMM_RUN_DIR);
+        # if none can be, each worker says why
+        with contextlib.suppress(CommError):
             rundir.path()
-        except CommError:
-            pass  # each worker says why
 
     def spawn_one(self, local_rank: int) -> None:
         cfg, pipe = self.cfg, (subprocess.PIPE if self.cfg.prefix else None)
@@ -218,10 +219,8 @@ class WorkerGroup:
                     f"{_describe(worker.proc.returncode)}")
             if running:
                 self._signal_group(worker, signal.SIGKILL)
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     worker.proc.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    pass
 
     def _group_alive(self, worker: Worker) -> bool:
         worker.proc.poll()  # reap the leader if it exited, so it does not count
@@ -232,10 +231,8 @@ class WorkerGroup:
         return _has_live_member(worker.proc.pid)
 
     def _signal_group(self, worker: Worker, signum: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(worker.proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def stop(self, grace: float = GRACE_PERIOD_S) -> None:
         """SIGTERM every live process group, SIGKILL after ``grace``, reap all."""
@@ -289,10 +286,8 @@ class _SignalCatcher:
 
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: cannot install handlers
                 self._previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread: cannot install handlers
-                pass
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():
@@ -337,38 +332,13 @@ def _run_rounds(cfg, interrupted):
     rnd = 0
     try:
         if cfg.node_rank == 0:
-            try:
-                addr = socket.gethostbyname(cfg.master_addr)
-            except OSError as exc:
-                raise rounds.RoundsError(f"cannot resolve --master-addr {cfg.master_addr!r}: {exc}") from None
-            coordinator = rounds.Coordinator(
-                nnodes=cfg.nnodes, max_restarts=cfg.max_restarts, addr=addr, port=cfg.master_port,
-                secret=cfg.secret, job=cfg.job_id or secrets.token_hex(8), worker_port=cfg.master_port + 1,
-                join_timeout=join_timeout, log=log)
+            coordinator = _coordinator(cfg, join_timeout)
         agent = rounds.Agent(node=cfg.node_rank, addr=cfg.master_addr, port=cfg.master_port,
                              secret=cfg.secret, join_timeout=join_timeout)
         for rnd in itertools.count():
-            go = agent.join(rnd, interrupted)
-            if "signal" in go:
-                return _quit(agent, rnd, go["signal"])
-            if "verdict" in go:
-                log(f"round {rnd} did not start: {go['why']}")
-                return EXIT_FAILURE
-            round_cfg = dataclasses.replace(cfg, master_port=go["port"], job_id=go["job"])
-            code = _attempt(round_cfg, rnd, interrupted, lambda rnd=rnd: agent.stop_requested(rnd))
-            if code not in (0, EXIT_FAILURE, STOPPED):  # interrupted here: the job ends on every node
-                return _quit(agent, rnd, code - 128)
-            if code != STOPPED:
-                agent.report("done" if code == 0 else "failed", rnd)
-            verdict, why = agent.verdict(rnd, interrupted)
-            if verdict is None or interrupted():  # a signal: the job ends, whatever was decided
-                return _quit(agent, rnd, why if verdict is None else interrupted())
-            if verdict == rounds.FINISHED:
-                return 0
-            if verdict != rounds.RESTART:
-                log(f"{why}: giving up" + (f" after {rnd} restart(s)" if rnd else ""))
-                return EXIT_FAILURE
-            log(f"{why}: restarting the workers of every node (restart {rnd + 1} of {cfg.max_restarts})")
+            code = _round(cfg, agent, rnd, interrupted)
+            if code is not None:
+                return code
     except BaseException as exc:
         if agent is not None:  # whoever still listens ends the job too (workers that could
             agent.report("quit", rnd)  # not start, a lost coordinator...)
@@ -383,14 +353,52 @@ def _run_rounds(cfg, interrupted):
             coordinator.close()
 
 
+def _coordinator(cfg, join_timeout):
+    """Node 0's coordinator of the rounds, on --master-addr:--master-port."""
+    try:
+        addr = socket.gethostbyname(cfg.master_addr)
+    except OSError as exc:
+        raise rounds.RoundsError(f"cannot resolve --master-addr {cfg.master_addr!r}: {exc}") from None
+    return rounds.Coordinator(
+        nnodes=cfg.nnodes, max_restarts=cfg.max_restarts, addr=addr, port=cfg.master_port,
+        secret=cfg.secret, job=cfg.job_id or secrets.token_hex(8), worker_port=cfg.master_port + 1,
+        join_timeout=join_timeout, log=log)
+
+
+def _round(cfg, agent, rnd, interrupted):
+    """Round ``rnd`` on this node: join it, run the workers, report, hear the verdict.
+    Returns the launcher's exit code, or None when every node restarts."""
+    go = agent.join(rnd, interrupted)
+    if "signal" in go:
+        return _quit(agent, rnd, go["signal"])
+    if "verdict" in go:
+        log(f"round {rnd} did not start: {go['why']}")
+        return EXIT_FAILURE
+    round_cfg = dataclasses.replace(cfg, master_port=go["port"], job_id=go["job"])
+    code = _attempt(round_cfg, rnd, interrupted, lambda: agent.stop_requested(rnd))
+    if code not in (0, EXIT_FAILURE, STOPPED):  # interrupted here: the job ends on every node
+        return _quit(agent, rnd, code - 128)
+    if code != STOPPED:
+        agent.report("done" if code == 0 else "failed", rnd)
+    verdict, why = agent.verdict(rnd, interrupted)
+    if verdict is None or interrupted():  # a signal: the job ends, whatever was decided
+        return _quit(agent, rnd, why if verdict is None else interrupted())
+    if verdict == rounds.FINISHED:
+        return 0
+    if verdict != rounds.RESTART:
+        log(f"{why}: giving up" + (f" after {rnd} restart(s)" if rnd else ""))
+        return EXIT_FAILURE
+    log(f"{why}: restarting the workers of every node (restart {rnd + 1} of {cfg.max_restarts})")
+    return None
+
+
 def _quit(agent, rnd, signum):
     """Interrupted by ``signum``: end the job on every node, then exit 128 + signum."""
     log(f"received {signal.Signals(signum).name}; ending the job on every node")
     agent.report("quit", rnd)
-    try:  # let the coordinator hear it before this launcher (maybe node 0's) goes
+    # let the coordinator hear it before this launcher (maybe node 0's) goes
+    with contextlib.suppress(rounds.RoundsError):
         agent.verdict(rnd, within=3.0)
-    except rounds.RoundsError:
-        pass
     return 128 + signum
 
 

@@ -271,7 +271,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
             raise ValueError(f"ringcomm allgather_coalesced: {n} output lists (one per rank) of {k} "
                              f"tensors (one per input) expected, got {[len(o) for o in output_lists]}")
         by_input = [[output_lists[r][i] for r in range(n)] for i in range(k)]
-        return self._chain([self.allgather([outs], [x], opts) for outs, x in zip(by_input, input_list)],
+        return self._chain([self.allgather([outs], [x], opts) for outs, x in zip(by_input, input_list, strict=True)],
                            output_lists)
 
     def _each(self, verb, outputs, inputs, opts):

@@ -139,6 +139,19 @@ def parse_args(argv=None):
 def validate(cfg, world_size=None):
     """Raise ValueError, naming the flags, for any setting or combination that cannot work.
     With ``world_size`` the layout is checked against it too (and ``cfg.dp`` filled in)."""
+    _check_flags(cfg)
+    (_check_mlp if cfg.model == "mlp" else _check_gpt)(cfg)
+    if cfg.strategy == "single" and cfg.model_parallel:
+        raise ValueError("--strategy single is the one-process reference: it takes no --cp/--pp/--tp")
+    if cfg.micro_batches > 1 and cfg.pp == 1:
+        raise ValueError("--micro-batches is for pipelines: it needs --pp > 1")
+    if world_size is None:
+        return cfg
+    return dataclasses.replace(cfg, dp=_data_parallel_size(cfg, world_size))
+
+
+def _check_flags(cfg):
+    """Each flag alone, and the ones that need another."""
     if len(cfg.layers) < 2 or min(cfg.layers) < 1:
         raise ValueError("--layers needs at least an input and an output width, all positive")
     if cfg.steps < 0 or cfg.batch_size < 1 or cfg.lr <= 0:
@@ -159,34 +172,37 @@ def validate(cfg, world_size=None):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.dp < 0:
         raise ValueError("--dp must be >= 0 (0: whatever the world size leaves)")
-    if cfg.model == "mlp":
-        if cfg.cp > 1 or cfg.sp:
-            raise ValueError("--cp and --sp split sequences: they need --model gpt")
-        if cfg.pp > len(cfg.layers) - 1:
-            raise ValueError(f"--pp {cfg.pp} exceeds the MLP's {len(cfg.layers) - 1} layers (--layers)")
-    else:
-        for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if cfg.pp > cfg.n_layer + 2:
-            raise ValueError(f"--pp {cfg.pp} exceeds the GPT's {cfg.n_layer + 2} layers (embedding, "
-                             f"--n-layer {cfg.n_layer} blocks, head)")
-        if cfg.d_model % cfg.n_head:
-            raise ValueError(f"--d-model {cfg.d_model} must divide by --n-head {cfg.n_head}")
-        if cfg.n_head % cfg.tp:
-            raise ValueError(f"--n-head {cfg.n_head} must divide by --tp {cfg.tp} (attention is split by heads)")
-        if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
-            raise ValueError(f"--seq-len {cfg.seq_len} must divide by 2·--cp = {2 * cfg.cp} (causal load balance)")
-        if cfg.sp and cfg.tp == 1:
-            raise ValueError("--sp shards the sequence over the tp group: it needs --tp > 1")
-        if cfg.sp and (cfg.seq_len // cfg.cp) % cfg.tp:
-            raise ValueError(f"--sp needs the positions per cp rank ({cfg.seq_len // cfg.cp}) to divide by --tp {cfg.tp}")
-    if cfg.strategy == "single" and cfg.model_parallel:
-        raise ValueError("--strategy single is the one-process reference: it takes no --cp/--pp/--tp")
-    if cfg.micro_batches > 1 and cfg.pp == 1:
-        raise ValueError("--micro-batches is for pipelines: it needs --pp > 1")
-    if world_size is None:
-        return cfg
+
+
+def _check_mlp(cfg):
+    if cfg.cp > 1 or cfg.sp:
+        raise ValueError("--cp and --sp split sequences: they need --model gpt")
+    if cfg.pp > len(cfg.layers) - 1:
+        raise ValueError(f"--pp {cfg.pp} exceeds the MLP's {len(cfg.layers) - 1} layers (--layers)")
+
+
+def _check_gpt(cfg):
+    for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.pp > cfg.n_layer + 2:
+        raise ValueError(f"--pp {cfg.pp} exceeds the GPT's {cfg.n_layer + 2} layers (embedding, "
+                         f"--n-layer {cfg.n_layer} blocks, head)")
+    if cfg.d_model % cfg.n_head:
+        raise ValueError(f"--d-model {cfg.d_model} must divide by --n-head {cfg.n_head}")
+    if cfg.n_head % cfg.tp:
+        raise ValueError(f"--n-head {cfg.n_head} must divide by --tp {cfg.tp} (attention is split by heads)")
+    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+        raise ValueError(f"--seq-len {cfg.seq_len} must divide by 2·--cp = {2 * cfg.cp} (causal load balance)")
+    if cfg.sp and cfg.tp == 1:
+        raise ValueError("--sp shards the sequence over the tp group: it needs --tp > 1")
+    if cfg.sp and (cfg.seq_len // cfg.cp) % cfg.tp:
+        raise ValueError(f"--sp needs the positions per cp rank ({cfg.seq_len // cfg.cp}) to divide by --tp {cfg.tp}")
+
+
+def _data_parallel_size(cfg, world_size):
+    """The data-parallel size the world leaves (``--dp``, or N / (cp·pp·tp)), checked
+    against the world, the batch and the micro-batches."""
     if cfg.strategy == "single" and world_size != 1:
         raise ValueError("--strategy single is the one-process reference; launch it with --nproc 1")
     inner = cfg.cp * cfg.pp * cfg.tp
@@ -203,4 +219,4 @@ def validate(cfg, world_size=None):
     if (cfg.batch_size // dp) % cfg.micro_batches:
         raise ValueError(f"the {cfg.batch_size // dp} samples per data-parallel rank do not divide into "
                          f"--micro-batches {cfg.micro_batches}")
-    return dataclasses.replace(cfg, dp=dp)
+    return dp

@@ -113,7 +113,7 @@ class Layout:
 
     def views(self, flat):
         """Model-order views of every parameter inside ``flat`` (a full flat buffer)."""
-        return [flat[o:o + n].reshape(shape) for o, n, (_, shape) in zip(self.offsets, self.sizes, self.specs)]
+        return [flat[o:o + n].reshape(shape) for o, n, (_, shape) in zip(self.offsets, self.sizes, self.specs, strict=True)]
 
     def unit_views(self, unit, buffer):
         """Views of ``unit``'s parameters inside ``buffer`` (``unit.padded`` long)."""
@@ -127,7 +127,7 @@ class Layout:
     def pack(self, params, dtype):
         """A new flat buffer holding the model-order ``params``."""
         flat = np.zeros(self.total, dtype)
-        for view, value in zip(self.views(flat), params):
+        for view, value in zip(self.views(flat), params, strict=True):
             view[...] = value
         return flat
 

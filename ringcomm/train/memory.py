@@ -38,10 +38,9 @@ def predicted(strategy, phi, n, p=2, g=2, k=12, rank=0, offload=False):
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(strategy, 0)
     params = p * phi / n if stage >= 3 else p * phi
     grads = g * phi / n if stage >= 2 else g * phi
+    optimizer = k * phi / n if stage >= 1 else k * phi
     if strategy == "dp" and rank != 0:
-        optimizer = 0.0
-    else:
-        optimizer = k * phi / n if stage >= 1 else k * phi
+        optimizer = 0.0  # the parameter server: only rank 0 keeps optimizer state
     out = {"params": params, "grads": grads, "optimizer": 0.0, "optimizer_host": 0.0}
     out["optimizer_host" if offload else "optimizer"] = optimizer
     return out

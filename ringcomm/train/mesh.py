@@ -85,7 +85,7 @@ def build(comm, dp, cp, pp, tp, tied=False):
         others = [k for k in DIMS if k not in varying]
         seen = set()
         for values in itertools.product(*(range(sizes[k]) for k in others)):
-            fixed = dict(zip(others, values), **{k: 0 for k in varying})
+            fixed = dict(zip(others, values, strict=True), **{k: 0 for k in varying})
             members = tuple(_members(sizes, varying, fixed))
             if members in seen:
                 continue

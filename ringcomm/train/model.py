@@ -22,7 +22,7 @@ from ..device import array_module
 def param_specs(layers):
     """``[(name, shape), ...]`` in model order."""
     specs = []
-    for i, (fan_in, fan_out) in enumerate(zip(layers[:-1], layers[1:])):
+    for i, (fan_in, fan_out) in enumerate(zip(layers[:-1], layers[1:], strict=False)):
         specs += [(f"W{i}", (fan_in, fan_out)), (f"b{i}", (fan_out,))]
     return specs
 
@@ -31,7 +31,7 @@ def init_params(layers, seed):
     """fp32 parameters, deterministic from ``seed``: U(−1/√in, 1/√in) as torch.nn.Linear."""
     rng = np.random.default_rng(seed)
     params = []
-    for fan_in, fan_out in zip(layers[:-1], layers[1:]):
+    for fan_in, fan_out in zip(layers[:-1], layers[1:], strict=False):
         bound = 1.0 / np.sqrt(fan_in)
         params.append(rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32))
         params.append(rng.uniform(-bound, bound, (fan_out,)).astype(np.float32))

@@ -85,7 +85,7 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
     job.meta.all_gather(everyone, mine)
     rows = []
     for vec in everyone.reshape(job.meta.world_size, -1):
-        v = dict(zip(values, vec))
+        v = dict(zip(values, vec, strict=True))
         ints = ("rank", "d", "c", "p", "t", "num_params", "bytes_sent", "bytes_received",
                 "peak_model_state_bytes", "model_state_traced_bytes", "peak_activation_bytes", "saved_activation_bytes",
                 "activation_formula_bytes")

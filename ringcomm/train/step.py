@@ -153,7 +153,7 @@ class StepRunner:
                 grads, d = layer.backward(params, cache, d)
             saved[k] = None  # this layer's activations are garbage from here on
             self.strategy.release_layer(k, "backward")
-            for p, g in zip(self.members[k], grads):
+            for p, g in zip(self.members[k], grads, strict=True):
                 self._grad(p, g)
         if not mesh.first_stage:
             self._send(d, mesh.p - 1, 2 * i + 1)

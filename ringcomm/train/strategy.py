@@ -121,7 +121,7 @@ class Strategy:
     def owned_weight(self):
         """1 where an element of :meth:`owned_grad` counts in the global norm, else 0."""
         lay = self.layout
-        mask = lay.pack([np.full(shape, float(c), np.float32) for (_, shape), c in zip(lay.specs, self.counted)],
+        mask = lay.pack([np.full(shape, float(c), np.float32) for (_, shape), c in zip(lay.specs, self.counted, strict=True)],
                         np.float32)
         return self._own(mask)
 

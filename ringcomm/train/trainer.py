@@ -127,7 +127,7 @@ class Job:
         specs = self.stage.specs
         full = [np.zeros(s.shape, np.float32) for s in specs]
         if self.mesh.data_rank == 0:  # tp pieces are disjoint; replicated and tied copies count once
-            for g, piece, counted in zip(self.stage.local, local, self.counted):
+            for g, piece, counted in zip(self.stage.local, local, self.counted, strict=True):
                 if counted:
                     specs[g].place(full[g], piece)
         return all_reduce_arrays(self.meta, full)  # each piece placed by exactly one rank: exact sums
@@ -189,6 +189,26 @@ def train(comm, cfg, out=print):
     groups = report.dimension_groups(mesh)
     for group in groups.values():
         group.reset_stats()
+    times, idle = _run_steps(job, first, losses, out)
+    params = job.full_params()
+    quality = evaluate(job, params)
+    step_time = statistics.median(times) if times else 0.0
+    idle_fraction = sum(idle) / sum(times) if times and sum(times) else 0.0
+    per_rank = report.gather_per_rank(job, groups, len(times), step_time, idle_fraction)
+    document = report.metrics(job, losses, quality, params, per_rank)
+    document["resumed_from_step"] = first or None  # None: a run from step 0
+    document["step_times_s"] = times  # this rank's, in order: how steady the steps are
+    if job.rank == 0:
+        out(report.summary(job, document, step_time))
+        out(report.table(job, per_rank))
+    _write_outputs(job, document, params, runner)
+    return document, strategy  # meta stays open: strategy.full_params() may still use it
+
+
+def _run_steps(job, first, losses, out):
+    """Steps ``first`` to ``cfg.steps``, each loss appended to ``losses``, with progress
+    lines and checkpoints; returns this rank's step times and idle times (s)."""
+    cfg, runner = job.cfg, job.runner
     times, idle = [], []
     every = cfg.log_every or max(1, cfg.steps // 10)
     save_every = cfg.checkpoint_every if cfg.checkpoint_dir else 0
@@ -205,27 +225,21 @@ def train(comm, cfg, out=print):
         if job.rank == 0 and ((step + 1) % every == 0 or step + 1 == cfg.steps):
             out(report.progress(job, step, losses[-1], (step + 1 - first) / (time.perf_counter() - start)))
         if cfg.checkpoint_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == cfg.steps):
-            path = checkpoint_state.save(job.meta, strategy, cfg, step + 1, losses, cfg.checkpoint_dir)
+            path = checkpoint_state.save(job.meta, job.strategy, cfg, step + 1, losses, cfg.checkpoint_dir)
             if job.rank == 0 and step + 1 == cfg.steps:
                 out(f"checkpoint {path}")
-    params = job.full_params()
-    quality = evaluate(job, params)
-    step_time = statistics.median(times) if times else 0.0
-    idle_fraction = sum(idle) / sum(times) if times and sum(times) else 0.0
-    per_rank = report.gather_per_rank(job, groups, len(times), step_time, idle_fraction)
-    document = report.metrics(job, losses, quality, params, per_rank)
-    document["resumed_from_step"] = first or None  # None: a run from step 0
-    document["step_times_s"] = times  # this rank's, in order: how steady the steps are
-    if job.rank == 0:
-        out(report.summary(job, document, step_time))
-        out(report.table(job, per_rank))
+    return times, idle
+
+
+def _write_outputs(job, document, params, runner):
+    """What the flags ask for: the metrics JSON and the parameters (rank 0), the trace."""
+    cfg = job.cfg
     if job.rank == 0:
         if cfg.metrics_json:
             report.write_json(cfg.metrics_json, document)
         if cfg.save:
-            np.savez(cfg.save, **{s.name: p for s, p in zip(job.stage.specs, params)})
+            np.savez(cfg.save, **{s.name: p for s, p in zip(job.stage.specs, params, strict=True)})
     if cfg.trace:
         for op, i, t0, t1 in runner.events:
-            job.tracer._add(f"{op}{i} stage {mesh.p}", 0, t0, t1, {"micro_batch": i})
+            job.tracer._add(f"{op}{i} stage {job.mesh.p}", 0, t0, t1, {"micro_batch": i})
         job.tracer.write(cfg.trace)
-    return document, strategy  # meta stays open: strategy.full_params() may still use it

@@ -1,5 +1,6 @@
 """Transports: how bytes move between ranks. See :mod:`.base` for the interface,
 :mod:`.zmq_transport` for the real one, :mod:`.local` for unit tests."""
+import contextlib
 import os
 import time
 
@@ -41,10 +42,8 @@ def _lane_plan(info, entry, table):
 
 def _forget_secret_file(info):
     if info.secret_file:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(info.secret_file)
-        except OSError:
-            pass
         info.secret_file = ""
 
 

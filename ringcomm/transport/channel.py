@@ -47,6 +47,7 @@ between them; were a bell missed anyway, it would cost one sleep slice, never a 
 >>> a.send(b"hello"); bytes(b.recv(check=lambda: None))
 b'hello'
 """
+import contextlib
 import ctypes
 import mmap
 import os
@@ -213,10 +214,8 @@ class Channel:
             mapping.close()
             raise
         for name in (path, path + "-bell"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
-            except FileNotFoundError:
-                pass
         return cls(mapping, capacity, spin, bell)
 
     @classmethod
@@ -275,7 +274,7 @@ class Channel:
     def ring(self):
         """Wake the receiver if it sleeps on the bell (a byte into the bell; a full bell
         already wakes it)."""
-        try:
+        try:  # noqa: SIM105 - a hot path: try costs nothing, suppress ~0.5 µs
             os.write(self.bell, _RING)
         except BlockingIOError:
             pass
@@ -386,10 +385,9 @@ class Channel:
         if self.bell >= 0:
             os.close(self.bell)
             self.bell = -1
-        try:
+        # a message view is still alive; the mapping goes with it
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:  # a message view is still alive; the mapping goes with it
-            pass
 
 
 class _Napper:

@@ -31,6 +31,7 @@ held it back.
 >>> credit.on_grant(1, comm_id=0, done=30)
 >>> credit.room(1, comm_id=0, seq=40)  # True: 40 < 30 + 16
 """
+import contextlib
 import os
 
 from ..errors import CommError
@@ -107,7 +108,6 @@ class CollectiveCredit:
 
     def _send(self, kind, dst, comm_id, seq):
         header = frame.pack(kind, self.rank, frame.Key(comm_id, frame.COLLECTIVE, seq, 0, 0), 0, bytes(16))
-        try:
+        # that peer is gone: its liveness check reports it, not this
+        with contextlib.suppress(CommError):
             self._post(dst, header, b"")
-        except CommError:  # that peer is gone: its liveness check reports it, not this
-            pass

@@ -34,6 +34,7 @@ ZeroMQ sockets cannot be closed safely in a forked child and must never be sent 
 >>> watch.fds                  # {pidfd: peer}: poll them; readable -> watch.exited(fd)
 >>> watch.look()               # the /proc-watched peers found gone (every PROC_LOOK_S at most)
 """
+import contextlib
 import logging
 import os
 import select
@@ -174,10 +175,8 @@ class Watch:
 
     def close(self):
         for fd in self.fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self.fds, self._polled = {}, {}
 
 

@@ -8,6 +8,7 @@ them all dozing and sleeps in one poll of its sockets and the channels' bells.
 >>> out.try_send(header, payload)              # False: full (send another way)
 >>> for src, message in channels.messages(): ...
 """
+import contextlib
 import os
 
 from ..errors import FrameError
@@ -102,18 +103,14 @@ class PeerChannels:
         rank that dies hangs its bells up whatever its child does (see :mod:`.liveness`)."""
         for channel in (*self._out.values(), *self._in.values(), *self._dropped):
             if channel.bell >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(channel.bell)
-                except OSError:
-                    pass
                 channel.bell = -1
 
     def close(self):
         for path in self._paths:  # a peer that never opened its channel leaves the names
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
         for channel in (*self._out.values(), *self._in.values()):
             channel.close()
         self.close_dropped()

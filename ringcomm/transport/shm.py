@@ -48,6 +48,7 @@ before refilling the slot. x86-64 keeps stores behind earlier loads; weaker memo
 >>> notice = out_lane.put(segment)        # rank 0: None if every slot is still in use
 >>> array = in_lanes.take(0, notice, n)   # rank 1: read-only uint8 array over the slot
 """
+import contextlib
 import ctypes
 import mmap
 import os
@@ -166,10 +167,8 @@ class OutLane:
 
     def close(self):
         """Unlink the file if the peer never opened it, and give the memory back."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         del self._ack, self._slots
         try:
             self._map.close()
@@ -202,10 +201,8 @@ class InLanes:
             mapped = mmap.mmap(fd, self._total)
         finally:
             os.close(fd)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # both ends hold the mapping; the name is no longer needed
-        except FileNotFoundError:
-            pass
         ack = np.frombuffer(mapped, np.uint64, self.nslots)  # at the start of the mapping
         self._lanes[src] = (ack, mapped)
         self._slots_at[src] = ack.__array_interface__["data"][0] + self._ack_bytes
@@ -252,10 +249,9 @@ class InLanes:
         self._lanes.clear()
         self._slots_at.clear()  # drops the ack tables over the mappings
         for mapped in mappings:
-            try:
+            # an array over a slot is still alive; the GC unmaps it
+            with contextlib.suppress(BufferError):
                 mapped.close()
-            except BufferError:  # an array over a slot is still alive; the GC unmaps it
-                pass
 
 
 def _acknowledge(ack, slot, generation, pid):

@@ -43,6 +43,7 @@ All sockets belong to the one thread that calls this object (ZeroMQ sockets are 
 thread-safe); ``ringcomm.engine`` makes that the communication thread.
 """
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -257,7 +258,7 @@ class ZmqTransport(SameHost, Transport):
             self._pump(0.005)
 
     # -- receiving -----------------------------------------------------------------------
-    def _pump(self, timeout):
+    def _pump(self, timeout):  # noqa: C901 - a hot path (once per wait): one body, no helper calls
         channels = self._channels
         dozing = False
         now = time.monotonic()
@@ -301,7 +302,7 @@ class ZmqTransport(SameHost, Transport):
         with self._wake_lock:
             if self._wake_out < 0:  # closed
                 return
-            try:
+            try:  # noqa: SIM105 - a hot path: try costs nothing, suppress ~0.5 µs
                 os.write(self._wake_out, b"w")
             except BlockingIOError:  # full: a wake-up is pending anyway
                 pass
@@ -439,17 +440,41 @@ class ZmqTransport(SameHost, Transport):
                 self.flush(deadline, "close")
         except Exception as exc:  # closing must not fail; the data is lost either way
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
+        self._say_goodbye(deadline)
+        self._close_sockets_and_fds()
+        for hook in self.before_unmap:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - closing must not fail
+                log.warning("rank %d: %s", self.rank, exc)
+        for lane in self._out_lanes.values():
+            lane.close()
+        if self._channels is not None:
+            self._channels.close()
+        if self._in_lanes is not None:
+            self._in_lanes.close()
+        for path in self._cleanup:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _say_goodbye(self, deadline):
+        """BYE to every peer, then wait until each said BYE too or is gone, or ``deadline``."""
         bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, frame.COLLECTIVE, 0, 0, 0), 0,
                          goodbye.sig_for(self.first_failure))
         for sock in self._push.values():
-            try:
+            # that peer's connection is gone: nobody to say goodbye to
+            with contextlib.suppress(zmq.Again):
                 sock.send_multipart([bye, b""], zmq.NOBLOCK)
-            except zmq.Again:  # that peer's connection is gone: nobody to say goodbye to
-                pass
-        pending = lambda: [p for p in self._push if p not in self._said_bye and p not in self._gone_since]  # noqa: E731
-        while pending() and time.monotonic() < deadline and self.stopping is None:
+        while self._no_goodbye_yet() and time.monotonic() < deadline and self.stopping is None:
             self._pump(0.05)
-        linger = 500 if pending() else 0
+
+    def _no_goodbye_yet(self):
+        return [p for p in self._push if p not in self._said_bye and p not in self._gone_since]
+
+    def _close_sockets_and_fds(self):
+        """The ZeroMQ sockets (a peer still owed a goodbye gets 500 ms of linger for its BYE),
+        the wake pipe, the pidfds, the fork guard and the context."""
+        linger = 500 if self._no_goodbye_yet() else 0
         for sock in self._push.values():
             sock.disable_monitor()
             sock.close(linger=linger)
@@ -465,22 +490,6 @@ class ZmqTransport(SameHost, Transport):
         if self._guard is not None:
             self._guard.stop()
         self._ctx.term()
-        for hook in self.before_unmap:
-            try:
-                hook()
-            except Exception as exc:  # noqa: BLE001 - closing must not fail
-                log.warning("rank %d: %s", self.rank, exc)
-        for lane in self._out_lanes.values():
-            lane.close()
-        if self._channels is not None:
-            self._channels.close()
-        if self._in_lanes is not None:
-            self._in_lanes.close()
-        for path in self._cleanup:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
 
     def _forked_child(self):
         """In a child forked from this rank (see :mod:`.liveness`): close the child's copies

@@ -37,7 +37,7 @@ def test_reshard(pools, tmp_path, old, n, new, m, precision):
     before, after = (state.read_full(files.resolve(d)) for d in (ckpt, again))
     assert after.manifest["world_size"] == m and after.manifest["strategy"] == new
     for key in ("params", "m", "v"):
-        assert all(np.array_equal(a, b) for a, b in zip(getattr(before, key), getattr(after, key))), key
+        assert all(np.array_equal(a, b) for a, b in zip(getattr(before, key), getattr(after, key), strict=True)), key
         assert before.flat(key).shape == (1461,)  # flat, unpadded, model order
     assert before.t == after.t
     assert {k: float(v) for k, v in before.scaler.items()} == {k: float(v) for k, v in after.scaler.items()}

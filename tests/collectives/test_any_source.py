@@ -52,7 +52,7 @@ def scrambled_then_named(comm):
     from any source, then one more from each rank by name, in reverse rank order."""
     n, r = comm.world_size, comm.rank
     if r != 0:
-        for delay, i in zip(np.random.default_rng(r).uniform(0, 0.05, K), range(K)):
+        for delay, i in zip(np.random.default_rng(r).uniform(0, 0.05, K), range(K), strict=True):
             time.sleep(delay)
             comm.send(message(r, i), 0, tag=11)
         comm.barrier()  # else an any-source receive may take the message meant for a named one
@@ -110,7 +110,7 @@ def posting_order(comm):
 def test_receives_on_a_tag_bind_in_posting_order(pools):
     sources, bufs = pools(N).run(posting_order)[0]
     assert sources == [1, True, 2]
-    for buf, (src, i) in zip(bufs, [(1, 0), (1, 1), (2, 0)]):
+    for buf, (src, i) in zip(bufs, [(1, 0), (1, 1), (2, 0)], strict=True):
         np.testing.assert_array_equal(buf, message(src, i))
 
 
@@ -131,7 +131,7 @@ def large_messages(comm):
     for _ in range(3):
         bufs = [np.empty(size, np.float32) for _ in range(n - 1)]
         works = [comm.recv(b, None, tag=21, async_op=True) for b in bufs]
-        for work, buf in zip(works, bufs):
+        for work, buf in zip(works, bufs, strict=True):
             src = work.wait()
             assert np.array_equal(buf, data(src, taken[src])), (src, taken[src])
             taken[src] += 1

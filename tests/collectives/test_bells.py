@@ -133,7 +133,7 @@ def test_a_rank_asleep_on_its_bell_is_woken_by_the_message_not_by_its_poll_timeo
     assert all(code == 0 for code, _, _ in results), story
     rounds = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
     delays, rang = [], 0
-    for i, (mine, theirs) in enumerate(zip(*rounds)):
+    for i, (mine, theirs) in enumerate(zip(*rounds, strict=True)):
         for got in (mine, theirs):
             assert got["values"] == [3.0 * (i + 1)] * 8, story
             # rank 1's clock came through (two lines apart on rank 1: a loaded core may

@@ -39,7 +39,7 @@ def test_collectives_through_staging(emulated, algorithm):
         assert_close(results[0][i], want, dtype, f"staged all_reduce {algorithm} {op}")
     small = [(np.float32, "sum", c) for c in (0, 1, 1001)]
     for r, res in enumerate(emulated.run(run_reduce_scatter, algorithm, small)):
-        for (dtype, op, count), got in zip(small, res):
+        for (dtype, op, count), got in zip(small, res, strict=True):
             full = numpy_reduce([make_input(q, count * n, dtype, op) for q in range(n)], op, dtype)
             assert_close(got, full[r * count:(r + 1) * count], dtype, "staged reduce_scatter")
     for res in emulated.run(run_all_gather, algorithm, [(np.int64, None, 777)]):

@@ -88,7 +88,7 @@ def test_group_ranks_must_be_integers(pools):
     for rank, (refused, group_rank, total) in enumerate(pools(2).run(group_ranks)):
         named = ["got 1.5 (float) in [0, 1.5]", "got '1' (str) in [0, '1']", "got True (bool) in [0, True]",
                  "(float64) in [0, "]  # a numpy scalar's repr differs between numpy 1 and 2
-        for message, entry in zip(refused, named):
+        for message, entry in zip(refused, named, strict=True):
             assert message.startswith("new_group needs integer ranks, got ") and entry in message, message
         assert group_rank == 1 - rank and total == 6.0
 

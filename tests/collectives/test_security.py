@@ -1,5 +1,6 @@
 """Strangers stay out: peer connections and the rendezvous demand the job secret, and frames
 from the network are validated before use (a bad one is dropped, never fatal)."""
+import contextlib
 import json
 import os
 import shutil
@@ -52,10 +53,8 @@ def send_all(endpoint, messages, credentials=None, wait=0.5):
         sock.plain_username, sock.plain_password = (c.encode() for c in credentials)
     sock.connect(endpoint)
     for parts in messages:
-        try:
+        with contextlib.suppress(zmq.Again):  # refused: no pipe to the rank
             sock.send_multipart(parts, zmq.NOBLOCK)
-        except zmq.Again:  # refused: no pipe to the rank
-            pass
     time.sleep(wait)
     ctx.destroy(0)
 
@@ -158,7 +157,7 @@ def wait_listening(port, timeout=20):
 
 def finish(procs, timeout=40):
     outs = [p.communicate(timeout=timeout) for p in procs]
-    return [(p.returncode, *out) for p, out in zip(procs, outs)]
+    return [(p.returncode, *out) for p, out in zip(procs, outs, strict=True)]
 
 
 def challenged(ctx, port):

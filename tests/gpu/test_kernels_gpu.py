@@ -157,7 +157,7 @@ def test_adam_steps(weight_decay, n, rng):
         args = (1e-3, 0.9, 0.999, 1e-8, weight_decay, step)
         assert kernels.adam_step(dev[0], cp.asarray(g), dev[1], dev[2], *args) is None
         ref.adam_step(host[0], g, host[1], host[2], *args)
-        for d, h in zip(dev, host):
+        for d, h in zip(dev, host, strict=True):
             assert_same(d, h)
 
 
@@ -175,7 +175,7 @@ def test_adam_step_has_no_check(rng):
             kernels.adam_step(dev[0], cp.asarray(g), dev[1], dev[2], 1e-2, 0.9, 0.999, 1e-8, 0.0, step)
             ref.adam_step(host[0], g, host[1], host[2], 1e-2, 0.9, 0.999, 1e-8, 0.0, step)
     assert np.isnan(host[0][7]) and np.isnan(host[0][9])
-    for d, h in zip(dev, host):
+    for d, h in zip(dev, host, strict=True):
         assert_same(d, h, nan_payload=False)
 
 

@@ -45,7 +45,7 @@ def test_two_launchers_form_one_job(worker_script, transport):
                        "--master-addr", "127.0.0.1", "--master-port", port, worker_script], env)
              for node in (1, 0)]  # the non-master node starts first: it must wait for rank 0
     outputs = [p.communicate(timeout=60) for p in nodes]
-    for p, (_out, err) in zip(nodes, outputs):
+    for p, (_out, err) in zip(nodes, outputs, strict=True):
         assert p.returncode == 0, err
     text = "".join(out for out, _ in outputs)
     for rank in range(4):

@@ -44,7 +44,7 @@ def launchers(tmp_path, fail_rounds, *extra, nodes=(0, 1), port=None, script=FLA
 def test_a_failure_on_one_node_restarts_both(tmp_path):
     procs, port = launchers(tmp_path, 2, "--max-restarts", "2")
     outs = [p.communicate(timeout=100) for p in procs]
-    for p, (_out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
         assert "restart 1 of 2" in err and "restart 2 of 2" in err, err
         assert "node 1's workers failed" in err

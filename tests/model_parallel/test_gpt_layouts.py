@@ -132,7 +132,7 @@ def test_steps_0_saves_the_initial_parameters_and_trace_shows_the_schedule(pools
     docs = pools(4).run(run, tokens, str(tmp_path / "p.npz"), steps=0, pp=2, tp=2)
     saved = load(tmp_path / "p.npz")
     assert docs[0]["losses"] == [] and list(saved) == [s.name for s in gpt_specs(shape)]
-    for spec, want in zip(gpt_specs(shape), gpt_init(shape, BASE.seed)):
+    for spec, want in zip(gpt_specs(shape), gpt_init(shape, BASE.seed), strict=True):
         assert np.array_equal(saved[spec.name], want), spec.name
     trace = tmp_path / "trace"
     pools(4).run(run, tokens, str(tmp_path / "p.npz"), pp=2, tp=2, micro_batches=2, trace=str(trace))
@@ -204,7 +204,7 @@ def copies(comm, data, **changes):
     import hashlib
     _, strategy = train(comm, dataclasses.replace(BASE, data=data, **changes), out=lambda *a: None)
     out = {}
-    for (name, axis, _), value in zip(strategy.placement.pieces, strategy.full_params()):
+    for (name, axis, _), value in zip(strategy.placement.pieces, strategy.full_params(), strict=True):
         if axis is None:
             out[name] = hashlib.sha256(np.ascontiguousarray(value, np.float32).tobytes()).hexdigest()
     return out

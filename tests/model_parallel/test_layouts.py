@@ -76,7 +76,7 @@ def test_pipeline_activation_memory_1f1b_vs_gpipe(pools):
     m, wide = 8, dict(layers=(12, 64, 64, 64, 5), batch_size=4096, samples=4096, steps=2)
     gpipe = pools(4).run(model_parallel, pp=4, micro_batches=m, schedule="gpipe", **wide)[0]
     onef = pools(4).run(model_parallel, pp=4, micro_batches=m, schedule="1f1b", **wide)[0]
-    for g, o in zip(gpipe["per_rank"], onef["per_rank"]):
+    for g, o in zip(gpipe["per_rank"], onef["per_rank"], strict=True):
         saved_per_micro = g["saved_activation_bytes"] / m
         assert saved_per_micro > 0, g
         assert o["saved_activation_bytes"] <= (4 - g["p"]) * saved_per_micro + 1, (g["p"], o, g)

@@ -127,7 +127,7 @@ def test_coalesced_spellings_give_what_the_verbs_give(pg, async_op):
         spelt, verbs = [torch.zeros_like(x) for x in xs], [torch.zeros_like(x) for x in xs]
         getattr(pg, spelling)(spelt, xs, opts).wait()
         getattr(pg, verb)(verbs, xs, opts).wait()
-        assert all(torch.equal(a, b) and torch.equal(a, x) for a, b, x in zip(spelt, verbs, xs)), spelling
+        assert all(torch.equal(a, b) and torch.equal(a, x) for a, b, x in zip(spelt, verbs, xs, strict=True)), spelling
 
 
 def test_torch_2_11s_coalesced_all_gather_without_options(pg):
@@ -143,7 +143,7 @@ def _through_torch(pg, case):
     if case.startswith("coalesced "):
         verb = getattr(dist, case.split()[1])
         with dist._coalescing_manager(group=pg):
-            for out, t in zip(outs, (x, y)):
+            for out, t in zip(outs, (x, y), strict=True):
                 verb(out, t, group=pg)
         return outs, [x, y]
     if not case.startswith("functional "):

@@ -209,7 +209,7 @@ def movements():
     outs = [torch.empty(sizes[s][RANK]) for s in range(N)]
     dist.all_to_all(outs, [t.clone() for t in ins])
     expected = [data(case, s * N + RANK, (sizes[s][RANK],), torch.float32) for s in range(N)]
-    REPORT.append([case + ": list", "; ".join(p for a, b in zip(outs, expected) if (p := same(a, b, True)))
+    REPORT.append([case + ": list", "; ".join(p for a, b in zip(outs, expected, strict=True) if (p := same(a, b, True)))
                    or None])
 
     def all_to_all(group):

@@ -63,7 +63,7 @@ def check_table(stdout, doc):
     lines = [line[len("[rank 0]: "):] for line in stdout.splitlines() if line.startswith("[rank 0]: ")]
     header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["rank", "params", "grads", "optimizer"])
     mib = 2.0 ** 20
-    for row, line in zip(doc["per_rank"], lines[header + 1:header + 1 + doc["world_size"]]):
+    for row, line in zip(doc["per_rank"], lines[header + 1:header + 1 + doc["world_size"]], strict=True):
         cells = [float(w.rstrip("/")) for w in line.split()]
         m, f = row["model_state_bytes"], row["predicted_model_state_bytes"]
         assert cells[0] == row["rank"]
@@ -104,7 +104,7 @@ def test_metrics_json_contract_and_save(tmp_path, single_run, nproc, strategy, e
     assert doc["final_loss"] == doc["losses"][-1]
     assert 0.0 <= doc["accuracy"] <= 1.0
     layers = (16, 32, 24, 5)
-    assert doc["num_params"] == sum(a * b + b for a, b in zip(layers[:-1], layers[1:]))
+    assert doc["num_params"] == sum(a * b + b for a, b in zip(layers[:-1], layers[1:], strict=False))
     assert set(doc["predicted_bytes"]) == set(CATEGORIES)
     assert len(doc["per_rank"]) == nproc
     for rank, row in enumerate(doc["per_rank"]):
@@ -129,7 +129,7 @@ def test_metrics_json_contract_and_save(tmp_path, single_run, nproc, strategy, e
         assert arrays[name].shape == shape and arrays[name].dtype == np.float32
     assert doc["param_sha256"] == sha_of(arrays, layers)
     # the saved model is the trained one, not the initial one
-    assert doc["param_sha256"] != sha_of(dict(zip(names, init_params(layers, 0))), layers)
+    assert doc["param_sha256"] != sha_of(dict(zip(names, init_params(layers, 0), strict=True)), layers)
     # and, in fp32, the one the single-process reference trains (same seed, data, batch)
     ref_doc, ref = single_run
     assert ref_doc["per_rank"][0]["bytes_sent"] == 0 and ref_doc["world_size"] == 1
@@ -155,7 +155,7 @@ def test_steps_zero_saves_the_initial_parameters_everywhere(tmp_path):
                   "--samples", "480", "--seed", 7, "--steps", 0, "--save", path, "--metrics-json", metrics))
         names, arrays = saved(path)
         assert names == [name for name, _ in param_specs(layers)]
-        for (name, _), w in zip(param_specs(layers), want):
+        for (name, _), w in zip(param_specs(layers), want, strict=True):
             assert np.array_equal(arrays[name], w), f"{strategy} on {nproc}: {name} is not the initial value"
         doc = json.loads(metrics.read_text())
         assert doc["steps"] == 0 and doc["losses"] == []

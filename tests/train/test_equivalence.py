@@ -37,7 +37,7 @@ CASES = {
 }
 FULL_PARAMS = ("dp", "ddp", "zero1", "zero2")  # strategies whose ranks hold all parameters
 REL = 1e-5
-PHI = sum(a * b + b for a, b in zip(LAYERS[:-1], LAYERS[1:]))
+PHI = sum(a * b + b for a, b in zip(LAYERS[:-1], LAYERS[1:], strict=False))
 
 
 def run_training(comm, kw, save):
@@ -55,7 +55,7 @@ def load(path):
 
 def rel_error(got, want):
     """max over parameters of max |got − want| / max |want|."""
-    return max(float(np.abs(g.astype(np.float64) - w).max() / np.abs(w).max()) for g, w in zip(got, want))
+    return max(float(np.abs(g.astype(np.float64) - w).max() / np.abs(w).max()) for g, w in zip(got, want, strict=True))
 
 
 @pytest.fixture(scope="module")

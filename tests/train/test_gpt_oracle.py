@@ -33,9 +33,9 @@ def ours(shape, params, x, y):
         caches.append(cache)
     loss, d = model.loss(h, y, y.size)
     grads = [np.zeros_like(p) for p in params]
-    for layer, cache in zip(reversed(model.layers), reversed(caches)):
+    for layer, cache in zip(reversed(model.layers), reversed(caches), strict=True):
         g, d = layer.backward([params[i] for i in layer.params], cache, d)
-        for i, gi in zip(layer.params, g):
+        for i, gi in zip(layer.params, g, strict=True):
             grads[i] += gi
     return loss, grads
 
@@ -72,9 +72,9 @@ def test_specs_names_order_and_shapes():
 
 
 def test_init_is_gpt2s_and_deterministic():
-    params = dict(zip([s.name for s in gpt_specs(SHAPE)], gpt_init(SHAPE, 3)))
+    params = dict(zip([s.name for s in gpt_specs(SHAPE)], gpt_init(SHAPE, 3), strict=True))
     again = gpt_init(SHAPE, 3)
-    assert all(np.array_equal(a, b) for a, b in zip(params.values(), again))
+    assert all(np.array_equal(a, b) for a, b in zip(params.values(), again, strict=True))
     assert np.all(params["h0.ln1.w"] == 1) and np.all(params["lnf.b"] == 0) and np.all(params["h1.attn.b_qkv"] == 0)
     big = np.concatenate([params[k].ravel() for k in ("wte", "wpe", "h0.attn.w_qkv", "h1.mlp.w_in")])
     assert abs(big.std() - 0.02) < 0.002 and abs(big.mean()) < 0.002
@@ -89,7 +89,7 @@ def test_loss_and_gradients_match_pytorch(shape):
     loss, grads = ours(shape, params, x, y)
     want_loss, want = theirs(shape, params, x, y)
     assert loss == pytest.approx(want_loss, rel=1e-5)
-    for spec, got, ref in zip(gpt_specs(shape), grads, want):
+    for spec, got, ref in zip(gpt_specs(shape), grads, want, strict=True):
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err < 1e-5, f"{spec.name}: relative error {err}"
 

@@ -29,7 +29,7 @@ from ringcomm.train.model import param_specs
 pytestmark = pytest.mark.timeout(120)
 
 LAYERS = (16, 32, 24, 5)
-PHI = sum(a * b + b for a, b in zip(LAYERS[:-1], LAYERS[1:]))  # 1461 parameters
+PHI = sum(a * b + b for a, b in zip(LAYERS[:-1], LAYERS[1:], strict=False))  # 1461 parameters
 STEPS = 3
 BASE = dict(layers=LAYERS, batch_size=48, samples=480, steps=STEPS, bucket_mb=0.0002, lr=1e-2)
 RUNS = [("dp", False), ("ddp", False), ("zero1", False), ("zero2", False), ("zero3", False),
@@ -327,7 +327,7 @@ def test_layout_invariants(widths, n, unit_bytes, itemsize, per_layer, first_byt
     rng = np.random.default_rng(len(specs) * 31 + n)
     params = [rng.standard_normal(shape).astype(np.float32) for _, shape in specs]
     flat = lay.pack(params, np.float32)
-    assert all(np.array_equal(a, b) for a, b in zip(lay.views(flat), params))
+    assert all(np.array_equal(a, b) for a, b in zip(lay.views(flat), params, strict=True))
     rebuilt = np.full(lay.total, np.nan, np.float32)
     for r in range(n):
         shard = lay.own_shard(flat, r)

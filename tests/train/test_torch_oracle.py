@@ -33,7 +33,7 @@ class NumpyMLP:
 
     def params(self):
         return [self.flat[lo:hi].reshape(shape) for lo, hi, (_, shape)
-                in zip(self.offsets[:-1], self.offsets[1:], self.specs)]
+                in zip(self.offsets[:-1], self.offsets[1:], self.specs, strict=True)]
 
     def loss_and_grads(self, x, y):
         params = self.params()
@@ -121,14 +121,14 @@ def test_init_matches_torch_linear_bounds():
     """U(−1/√in, 1/√in) for W and b, as torch.nn.Linear; deterministic from the seed."""
     params = init_params(LAYERS, seed=7)
     assert [p.shape for p in params] == [s for _, s in param_specs(LAYERS)]
-    for (name, _), p in zip(param_specs(LAYERS), params):
+    for (name, _), p in zip(param_specs(LAYERS), params, strict=True):
         fan_in = LAYERS[int(name[1:])]
         assert p.dtype == np.float32
         assert np.abs(p).max() <= 1 / np.sqrt(fan_in)
         assert np.abs(p).max() > 0.5 / np.sqrt(fan_in)  # really spread over the interval
     again = init_params(LAYERS, seed=7)
     other = init_params(LAYERS, seed=8)
-    assert all(np.array_equal(a, b) for a, b in zip(params, again))
+    assert all(np.array_equal(a, b) for a, b in zip(params, again, strict=True))
     assert not np.array_equal(params[0], other[0])
 
 
@@ -141,7 +141,7 @@ def test_forward_and_backward_match_torch():
     t_loss.backward()
     t_loss = t_loss.item()
     assert abs(loss - t_loss) <= 1e-6 * abs(t_loss)
-    for (name, _), g, tg in zip(param_specs(LAYERS), grads, torch_grads(model)):
+    for (name, _), g, tg in zip(param_specs(LAYERS), grads, torch_grads(model), strict=True):
         assert_close(g, tg, 1e-5, f"gradient of {name}")
 
 
@@ -175,9 +175,9 @@ def test_adam_steps_match_torch(lr, weight_decay):
         loss, grads = ours.step(x, y)
         t_loss, t_grads = torch_step(model, opt, x, y)
         assert abs(loss - t_loss) <= 1e-5 * abs(t_loss), f"step {step}: loss {loss} vs torch {t_loss}"
-        for (name, _), g, tg in zip(param_specs(LAYERS), grads, t_grads):
+        for (name, _), g, tg in zip(param_specs(LAYERS), grads, t_grads, strict=True):
             assert_close(g, tg, 2e-5, f"step {step}: gradient of {name}")
-        for (name, _), p, tp in zip(param_specs(LAYERS), ours.params(), torch_params(model)):
+        for (name, _), p, tp in zip(param_specs(LAYERS), ours.params(), torch_params(model), strict=True):
             assert_close(p, tp, 2e-6, f"step {step}: {name} after Adam")
     assert ours.optimizer.t == 6
 
@@ -212,7 +212,7 @@ def test_sgd_matches_torch():
     for step, (x, y) in enumerate(batches(4, 32, seed=9)):
         ours.step(x, y)
         torch_step(model, opt, x, y)
-        for (name, _), p, tp in zip(param_specs(LAYERS), ours.params(), torch_params(model)):
+        for (name, _), p, tp in zip(param_specs(LAYERS), ours.params(), torch_params(model), strict=True):
             assert_close(p, tp, 2e-6, f"step {step}: {name} after SGD")
 
 
@@ -238,8 +238,8 @@ def test_single_training_run_matches_torch(pools):
         rows = order.global_rows(step)
         t_losses.append(torch_step(model, opt, data.x[rows], data.y[rows])[0])
     np.testing.assert_allclose(losses, t_losses, rtol=1e-5)
-    for (name, _), p, tp in zip(param_specs(cfg.layers), params, torch_params(model)):
+    for (name, _), p, tp in zip(param_specs(cfg.layers), params, torch_params(model), strict=True):
         assert_close(p, tp, 1e-5, f"{name} after {cfg.steps} steps")
     # and the run really moved the parameters (an untrained model would not pass above)
-    moved = max(float(np.abs(p - q).max()) for p, q in zip(params, init_params(cfg.layers, cfg.seed)))
+    moved = max(float(np.abs(p - q).max()) for p, q in zip(params, init_params(cfg.layers, cfg.seed), strict=True))
     assert moved > cfg.lr

@@ -2,6 +2,7 @@
 contents, wrap-around, a full channel, a sleeping receiver woken by its bell, a peer that
 dies while the other spins or sleeps (its bell hangs up), the channel's files, and ranks that
 outnumber the cores."""
+import contextlib
 import os
 import select
 import signal
@@ -56,14 +57,10 @@ def exited_ok(pid, timeout=30):
 
 def reap(pid):
     """Kill child ``pid`` if it still runs, and collect it."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def alive(pid):

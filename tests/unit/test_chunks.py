@@ -17,7 +17,7 @@ def assert_partition(bounds, start, stop):
     """``bounds`` cover [start, stop) contiguously, in order, with no overlap or gap."""
     assert bounds[0][0] == start
     assert bounds[-1][1] == stop
-    for (_, hi), (next_lo, _) in zip(bounds, bounds[1:]):
+    for (_, hi), (next_lo, _) in zip(bounds, bounds[1:], strict=False):
         assert hi == next_lo
     for lo, hi in bounds:
         assert lo <= hi
@@ -115,7 +115,7 @@ def test_segment_table_properties(count, n, itemsize, segment_bytes):
     assert len(nsegs) == 1, "every chunk must have the same number of segments"
     (nseg,) = nsegs
     assert nseg == num_segments(chunks[0][1] - chunks[0][0], itemsize, segment_bytes)
-    for (c0, c1), row in zip(chunks, table):
+    for (c0, c1), row in zip(chunks, table, strict=True):
         bounds = slice_bounds(row)
         assert_partition(bounds, c0, c1)
         lens = lengths(bounds)

@@ -107,9 +107,10 @@ def test_a_step_that_ends_leaving_a_process_behind_returns_at_once(tmp_path, mon
     assert _gone(int(pidfile.read_text()))
 
 
-# Two of the training runs, one per model: tests/gpu trains every strategy on the stand-in
-# already; what is this script's own here is how a run is started and its metrics read.
-# `make gpu-check-standin` runs all of them.
+# Two of the training runs, one per model: tests/gpu/test_collectives_gpu.py trains each of
+# gpu-check's strategies on the stand-in against the CPU already (dp, ddp, ZeRO 1-3, offload
+# in fp16 and fp32, the GPT with cp, tp + sp and pp); what is this script's own is how a run
+# is started and its metrics read. `make gpu-check-standin` runs all ten.
 KEPT_RUNS = [("zero2", ["--offload"]), gpu_check.STRATEGIES[-1]]
 
 

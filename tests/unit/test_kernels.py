@@ -94,7 +94,7 @@ def test_dispatch_on_numpy_arrays_is_the_reference():
     args = (1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
     assert kernels.adam_step(state[0], grad32, state[1], state[2], *args) is None
     ref.adam_step(twin[0], grad32, twin[1], twin[2], *args)
-    for x, y in zip(state, twin):
+    for x, y in zip(state, twin, strict=True):
         assert_same_bits(x, y)
 
     dst, twin_dst = np.empty(100, np.float32), np.empty(100, np.float32)
@@ -176,7 +176,7 @@ def fake_cupy(ptx_by_source, launches):
             assert isinstance(grid, tuple) and isinstance(block, tuple)
             assert block == (kernels.THREADS,) and grid[0] >= 1
             assert len(args) == len(params), f"{self.name}: {len(args)} arguments for {len(params)} parameters"
-            for i, (arg, ptype) in enumerate(zip(args, params)):
+            for i, (arg, ptype) in enumerate(zip(args, params, strict=True)):
                 expected = {"f32": (np.float32,), "f64": (np.float64,), "u32": (np.int32,),
                             "u64": (FakeArray, np.int64)}[ptype]
                 assert type(arg) in expected, f"{self.name} parameter {i} ({ptype}): got {type(arg).__name__}"
@@ -394,7 +394,7 @@ def test_cupy_path_computes_what_the_references_compute(fake_gpu):
         with np.errstate(invalid="ignore"):
             kernels.adam_step(devs[0], FakeArray(g), devs[1], devs[2], *args)
             ref.adam_step(hosts[0], g, hosts[1], hosts[2], *args)
-        for d, h in zip(devs, hosts):
+        for d, h in zip(devs, hosts, strict=True):
             assert_same_bits(d.data, h)
     assert np.isnan(hosts[0][17])
 

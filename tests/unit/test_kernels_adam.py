@@ -104,7 +104,7 @@ def test_adam_step_is_strategy_update(mixed, weight_decay, clip):
         assert scaler.update(overflow) == cpu.update(0.0)[1] == overflow
         if overflow:
             assert step in bad or not np.isfinite(grad).all()
-            for now, before in zip((master, m, v), snapshot):
+            for now, before in zip((master, m, v), snapshot, strict=True):
                 assert_same_bits(now, before)
         else:
             if clip:
@@ -152,7 +152,7 @@ def test_adam_step_does_not_modify_grad_and_accepts_numpy_scalars():
     ref.adam_step(*b[:1], grad, *b[1:], np.float64(1e-3), np.float64(0.9), np.float64(0.999),
                   np.float64(1e-8), np.float64(0.1), np.int64(1))
     assert_same_bits(grad, keep)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert_same_bits(x, y)
     assert not np.array_equal(a[0], np.ones(64, np.float32))  # a step was taken
 

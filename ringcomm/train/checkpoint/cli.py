@@ -18,7 +18,7 @@ def consolidate(path, out):
     (a checkpoint directory, or the newest complete one under it) to ``out``."""
     entry = resolve(path)
     full = read_full(entry)
-    write_durable(out, npz_bytes(dict(zip(full.names(), full.params))))
+    write_durable(out, npz_bytes(dict(zip(full.names(), full.params, strict=True))))
     return entry
 
 

@@ -83,7 +83,7 @@ def full_flat(layout, kind, files, key):
 def model_order(layout, flat):
     """The arrays (in their shapes) inside a flat buffer, in the layout's parameter order."""
     out = []
-    for (_, shape), offset in zip(layout["specs"], layout["offsets"]):
+    for (_, shape), offset in zip(layout["specs"], layout["offsets"], strict=True):
         size = int(np.prod(shape))
         out.append(flat[offset:offset + size].reshape(shape).copy())
     return out
@@ -106,13 +106,13 @@ def assemble(kind, files, key):
     whole = {name: np.zeros(shape, np.float32) for name, shape in model}
     covered = {name: np.zeros(shape, bool) for name, shape in model}
     groups = {}
-    for arrays, rec in zip(files, records):
+    for arrays, rec in zip(files, records, strict=True):
         groups.setdefault(tuple(rec["coords"][2:]), []).append((rec["data_rank"], arrays, rec))
     for members in groups.values():
         members.sort(key=lambda m: m[0])
         rec = members[0][2]
         flat = full_flat(rec["layout"], kind, [m[1] for m in members], key)
-        for (name, axis, index), piece in zip(rec["pieces"], model_order(rec["layout"], flat)):
+        for (name, axis, index), piece in zip(rec["pieces"], model_order(rec["layout"], flat), strict=True):
             where = _where(whole[name].shape, axis, index)
             whole[name][where] = piece
             covered[name][where] = True
@@ -124,6 +124,6 @@ def assemble(kind, files, key):
 
 def local_pieces(placement, model_names, whole):
     """This rank's pieces (its layout's order) cut from whole parameters in model order."""
-    by_name = dict(zip(model_names, whole))
+    by_name = dict(zip(model_names, whole, strict=True))
     return [np.ascontiguousarray(by_name[name][_where(by_name[name].shape, axis, index)])
             for name, axis, index in placement.pieces]

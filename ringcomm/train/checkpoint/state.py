@@ -198,6 +198,25 @@ class Resumed:
 def restore(meta, strategy, cfg, root):
     """Load the newest complete checkpoint in ``root`` into ``strategy`` (called by every
     rank). Returns a :class:`Resumed`, or None when there is none (start fresh)."""
+    step, notes = _choose(meta, root)
+    if step is None:
+        return None
+    path = step_dir(root, step)
+    manifest, arrays, resharded = _read_own(meta, strategy, cfg, path)
+    if not resharded:
+        state = {k: arrays[k] for k in ("master", "m", "v", "t") if k in arrays}
+        scaler = {k: arrays[key] for k, key in _SCALER_KEYS.items()}
+        losses = arrays["losses"]
+    else:
+        state, scaler, losses = _reshard(meta, strategy, manifest, path)
+    strategy.load_state(state)
+    strategy.scaler.load_state(scaler)
+    return Resumed(step, [float(x) for x in losses], path, manifest, resharded, notes)
+
+
+def _choose(meta, root):
+    """``(step, notes)``: the checkpoint every rank resumes from (None: none, start fresh),
+    chosen and verified by rank 0 and broadcast; rank 0's notes say what it skipped."""
     chosen, error, notes = np.array([-1], np.int64), None, []
     if meta.rank == 0:
         try:
@@ -220,12 +239,15 @@ def restore(meta, strategy, cfg, root):
         raise CheckpointError(f"rank 0 could not look for checkpoints in {root}") from error
     if chosen[0] == -3:
         raise error or CheckpointError(f"--resume: rank 0 found checkpoints in {root} but none complete and intact")
-    if chosen[0] < 0:
-        return None
-    path = step_dir(root, int(chosen[0]))
-    # read everything first; only then may load_state communicate. flags: failed here,
-    # saved on another placement (then every rank reshards)
-    flags, error, arrays = np.zeros(2, np.int64), None, None
+    return (None if chosen[0] < 0 else int(chosen[0])), notes
+
+
+def _read_own(meta, strategy, cfg, path):
+    """``(manifest, arrays, resharded)``: this rank's file of the checkpoint at ``path``
+    (arrays None when the world size changed), read whole before load_state may
+    communicate; every rank raises, or none, and every rank reshards (saved on another
+    placement), or none."""
+    flags, error, arrays, manifest = np.zeros(2, np.int64), None, None, None
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
@@ -236,28 +258,25 @@ def restore(meta, strategy, cfg, root):
         flags[1] = arrays is None or not _saved_as_now(manifest, strategy, meta.world_size, arrays)
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         flags[0], error = 1, e
-    meta.all_reduce(flags)  # every rank raises, or none; every rank reshards, or none
+    meta.all_reduce(flags)  # flags: failed here, saved on another placement
     if flags[0]:
         if error is not None:
             raise error
         raise CheckpointError(f"another rank could not load {path}")
-    resharded = bool(flags[1])
-    if not resharded:
-        state = {k: arrays[k] for k in ("master", "m", "v", "t") if k in arrays}
-        scaler = {k: arrays[key] for k, key in _SCALER_KEYS.items()}
-        losses = arrays["losses"]
-    else:
-        failed = np.zeros(1, np.int64)
-        try:
-            full = read_full(Entry(manifest["step"], path, complete=True, manifest=manifest))
-            state, scaler, losses = state_from_full(full, strategy), full.scaler, full.losses
-        except (CheckpointError, OSError, ValueError, KeyError) as e:
-            failed[0], error = 1, e
-        meta.all_reduce(failed)
-        if failed[0]:
-            if error is not None:
-                raise error
-            raise CheckpointError(f"another rank could not reshard {path}")
-    strategy.load_state(state)
-    strategy.scaler.load_state(scaler)
-    return Resumed(int(chosen[0]), [float(x) for x in losses], path, manifest, resharded, notes)
+    return manifest, arrays, bool(flags[1])
+
+
+def _reshard(meta, strategy, manifest, path):
+    """``(state, scaler, losses)`` for this rank's place now, from the whole checkpoint."""
+    failed, error = np.zeros(1, np.int64), None
+    try:
+        full = read_full(Entry(manifest["step"], path, complete=True, manifest=manifest))
+        state, scaler, losses = state_from_full(full, strategy), full.scaler, full.losses
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
+        failed[0], error = 1, e
+    meta.all_reduce(failed)  # every rank raises, or none
+    if failed[0]:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"another rank could not reshard {path}")
+    return state, scaler, losses

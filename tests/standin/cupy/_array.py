@@ -375,7 +375,7 @@ def apply(func, args, kwargs, name, data_dependent=False):
 
     def run():
         got = _arrays(_quiet(func, real_args, real_kwargs))
-        for target, value in zip(targets, got):
+        for target, value in zip(targets, got, strict=True):
             np.copyto(target, value, casting="unsafe")
     stream.launch(run, name)
     it = iter(out_arrays)
