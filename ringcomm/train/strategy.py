@@ -90,16 +90,24 @@ class Strategy:
         """A fresh fp32 copy of ``grad`` (clipping scales it in place), with ``flags[0]`` set
         when it holds inf/NaN, ``flags[1]`` to this rank's share of the squared norm when
         clipping (0 after an overflow) and ``flags[2]`` to ``loss_share``: fp16 is cast,
-        unscaled and checked in one pass (one kernel on a GPU). The flag, the norm and the
-        loss (a device scalar on a GPU) stay where the gradient is until one copy brings
-        them to the host for the step's one decision (on a GPU: one wait per step)."""
-        xp = array_module(grad)
+        unscaled and checked in one pass (one kernel on a GPU). ``grad`` may be a list of
+        pieces (views in place, as ZeRO-1 owns one slice of each unit): they are copied
+        straight into their places in the fp32 result, with no concatenation first. The
+        flag, the norm and the loss (a device scalar on a GPU) stay where the gradient is
+        until one copy brings them to the host for the step's one decision (on a GPU: one
+        wait per step)."""
+        pieces = grad if isinstance(grad, list) else [grad]
+        xp = array_module(pieces[0])
         found = xp.zeros(1, np.int32)
-        if self.mixed:
-            grad, fp16 = xp.empty(grad.size, np.float32), grad
-            kernels.unscale(fp16, grad, self.scaler.scale, found=found)
-        else:
-            grad = grad.astype(np.float32)
+        grad = xp.empty(sum(piece.size for piece in pieces), np.float32)
+        lo = 0
+        for piece in pieces:
+            place, lo = grad[lo:lo + piece.size], lo + piece.size
+            if self.mixed:
+                kernels.unscale(piece.reshape(-1), place, self.scaler.scale, found=found)
+            else:
+                place[...] = piece.reshape(-1)
+        if not self.mixed:
             kernels.found_nonfinite(grad, found=found)
         decision = xp.zeros(3, np.float64)
         decision[0] = found[0]

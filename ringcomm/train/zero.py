@@ -209,9 +209,11 @@ class Zero(Strategy):
 
     # -- optimizer ----------------------------------------------------------------------------
     def owned_grad(self):
+        """The shard (stages 2-3), or this rank's slice of each unit inside the full
+        gradient buffer (stage 1: views, nothing copied)."""
         if self.sharded("grads"):
             return self.grad_shard
-        return self.layout.own_shard(self.flat_grads, self.rank)
+        return [self._own_grads(u) for u in self.layout.units]
 
     def _own(self, flat):
         return self.layout.own_shard(flat, self.rank)

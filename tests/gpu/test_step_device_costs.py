@@ -9,6 +9,10 @@ per-micro-batch loss read, no scalar pulled back. Device mallocs are counted by 
 stand-in's model of CuPy's pool (``tests/standin/cupy/_array.py``); ring attention (``--cp``)
 is left out of that count: how many of its segments are in flight at once depends on the
 ranks' timing, and the model pool, which splits no blocks, then counts a few more.
+
+ZeRO's gradient shard is also not gathered by concatenation each step (stage 1 owns a slice
+of every unit inside the full buffer; they go straight into the fp32 copy the step checks):
+the MLP's layouts, whose model concatenates nothing, make no ``concatenate`` call per step.
 """
 import json
 import os
@@ -29,7 +33,13 @@ COUNTED = textwrap.dedent("""
     from cupy import _runtime as rt
     from ringcomm.train import step as step_mod
     from ringcomm.train.cli import main
-    on_default, per_step = [0], []
+    on_default, per_step, joined = [0], [], [0]
+    concatenate = cupy.concatenate
+
+    def counted_concatenate(*args, **kwargs):
+        joined[0] += 1
+        return concatenate(*args, **kwargs)
+    cupy.concatenate = counted_concatenate
     waits = rt._host_waits
 
     def counted(stream, position, pending=None):
@@ -40,9 +50,9 @@ COUNTED = textwrap.dedent("""
     step = step_mod.StepRunner.step
 
     def measured(self, *args, **kwargs):
-        syncs, mallocs = on_default[0], rt.counts["device mallocs"]
+        syncs, mallocs, joins = on_default[0], rt.counts["device mallocs"], joined[0]
         result = step(self, *args, **kwargs)
-        per_step.append([on_default[0] - syncs, rt.counts["device mallocs"] - mallocs])
+        per_step.append([on_default[0] - syncs, rt.counts["device mallocs"] - mallocs, joined[0] - joins])
         return result
     step_mod.StepRunner.step = measured
     main(sys.argv[1:])
@@ -54,6 +64,7 @@ MLP = ["--layers", "32,64,48,10", "--samples", "256", "--batch-size", "32"]
 LAYOUTS = {"mlp_zero2_fp16_clip": ["--strategy", "zero2", "--precision", "fp16", "--clip-grad-norm", "0.5", *MLP],
            "mlp_ddp_tp2": ["--strategy", "ddp", "--tp", "2", *MLP],
            "mlp_zero3": ["--strategy", "zero3", *MLP],
+           "mlp_zero1_fp16": ["--strategy", "zero1", "--precision", "fp16", *MLP],
            "mlp_zero1_offload": ["--strategy", "zero1", "--offload", *MLP],
            "gpt_pp2_micro_batches": ["--strategy", "zero1", "--pp", "2", "--micro-batches", "2", *GPT]}
 
@@ -67,5 +78,7 @@ def test_one_host_sync_and_no_new_device_memory_per_step(args, backend):
     script = f"import sys; sys.argv = ['train', *{argv!r}]\n" + COUNTED
     for rank, out in enumerate(job_outputs(script, 2, env=env, timeout=180)):
         costs = json.loads(next(x for x in out.splitlines() if x.startswith("COSTS ")).split(" ", 1)[1])
-        assert [syncs for syncs, _ in costs] == [1] * len(costs), f"rank {rank}: host syncs per step {costs}"
-        assert [m for _, m in costs[WARM_UP:]] == [0, 0], f"rank {rank}: device mallocs per step {costs}"
+        assert [syncs for syncs, _, _ in costs] == [1] * len(costs), f"rank {rank}: host syncs per step {costs}"
+        assert [m for _, m, _ in costs[WARM_UP:]] == [0, 0], f"rank {rank}: device mallocs per step {costs}"
+        if "--model" not in args and "--tp" not in args:  # the MLP concatenates nothing itself
+            assert [j for _, _, j in costs[WARM_UP:]] == [0, 0], f"rank {rank}: concatenations per step {costs}"
