@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import time
+import timeit
 
 import numpy as np
 
@@ -95,6 +96,12 @@ def reduced(n, count, dtype, op="sum", offset=0):
 
 def count_wrong(got, expected):
     return int(np.count_nonzero(got != expected))
+
+
+def best_seconds(fn, number, repeat=5):
+    """Seconds one call of ``fn`` takes at best: ``number`` calls timed together, the
+    fastest of ``repeat`` such runs (``timeit``'s advice: the minimum is the least disturbed)."""
+    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number
 
 
 def summarize(times_s):

@@ -26,9 +26,9 @@ import subprocess
 import sys
 import threading
 import time
-import timeit
 
 import numpy as np
+from benchlib import best_seconds
 
 from ringcomm import checks, ops, signature
 from ringcomm.algorithms import schedule
@@ -137,7 +137,7 @@ def pieces(size):
     timed = []
     for name, runs, fn in steps:
         number = 20000
-        timed.append((name, runs, min(timeit.repeat(fn, number=number, repeat=5)) / number))
+        timed.append((name, runs, best_seconds(fn, number)))
     return timed
 
 

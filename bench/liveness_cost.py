@@ -31,15 +31,15 @@ import os
 import subprocess
 import sys
 import time
-import timeit
 
 import numpy as np
+from benchlib import best_seconds
 
 from ringcomm.units import parse_size
 
 
 def best_us(fn, number):
-    return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+    return best_seconds(fn, number) * 1e6
 
 
 class Counter:

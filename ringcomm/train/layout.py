@@ -131,10 +131,14 @@ class Layout:
             view[...] = value
         return flat
 
+    def own_pieces(self, flat, rank):
+        """Rank ``rank``'s slice of each unit inside a full flat buffer, in unit order (views:
+        the pieces its shard is made of, nothing copied)."""
+        return [flat[slice(*u.own_range(rank))] for u in self.units]
+
     def own_shard(self, flat, rank):
         """Rank ``rank``'s shard, gathered from a full flat buffer (a new array)."""
-        xp = array_module(flat)
-        return xp.concatenate([flat[slice(*u.own_range(rank))] for u in self.units])
+        return array_module(flat).concatenate(self.own_pieces(flat, rank))
 
     def scatter_shard(self, shard, flat, rank):
         """Write rank ``rank``'s shard into its places in a full flat buffer."""

@@ -63,10 +63,11 @@ class Strategy:
         """The optimizer step after :meth:`finish_backward`; returns ``(loss, skipped)``: the
         sum of every rank's ``loss_share`` and whether the step was skipped (fp16 overflow
         anywhere in the job)."""
-        grad = self.step_grad()
+        pieces = self.step_grad()
         flags = np.zeros(3)
-        if grad is not None:
-            grad = self._checked_fp32(grad, flags, loss_share)
+        grad = None
+        if pieces is not None:
+            grad = self._checked_fp32(pieces, flags, loss_share)
         else:  # nothing on the device to decide: the share alone comes over
             flags[2] = float(loss_share)
         self.meta.all_reduce(flags)  # overflow anywhere, squared norm of every piece once, loss
@@ -82,21 +83,19 @@ class Strategy:
         return float(flags[2]), skipped
 
     def step_grad(self):
-        """The gradient the optimizer step takes: :meth:`owned_grad` (ZeRO's offload brings
-        it to the host)."""
+        """The gradient the optimizer step takes, as :meth:`owned_grad` gives it (ZeRO's
+        offload brings it to the host first)."""
         return self.owned_grad()
 
-    def _checked_fp32(self, grad, flags, loss_share):
-        """A fresh fp32 copy of ``grad`` (clipping scales it in place), with ``flags[0]`` set
-        when it holds inf/NaN, ``flags[1]`` to this rank's share of the squared norm when
-        clipping (0 after an overflow) and ``flags[2]`` to ``loss_share``: fp16 is cast,
-        unscaled and checked in one pass (one kernel on a GPU). ``grad`` may be a list of
-        pieces (views in place, as ZeRO-1 owns one slice of each unit): they are copied
-        straight into their places in the fp32 result, with no concatenation first. The
-        flag, the norm and the loss (a device scalar on a GPU) stay where the gradient is
-        until one copy brings them to the host for the step's one decision (on a GPU: one
-        wait per step)."""
-        pieces = grad if isinstance(grad, list) else [grad]
+    def _checked_fp32(self, pieces, flags, loss_share):
+        """A fresh fp32 copy of the gradient made of ``pieces`` (clipping scales it in
+        place), with ``flags[0]`` set when it holds inf/NaN, ``flags[1]`` to this rank's
+        share of the squared norm when clipping (0 after an overflow) and ``flags[2]`` to
+        ``loss_share``: fp16 is cast, unscaled and checked in one pass (one kernel on a GPU).
+        Each piece is copied straight into its place in the fp32 result, with no
+        concatenation first. The flag, the norm and the loss (a device scalar on a GPU) stay
+        where the gradient is until one copy brings them to the host for the step's one
+        decision (on a GPU: one wait per step)."""
         xp = array_module(pieces[0])
         found = xp.zeros(1, np.int32)
         grad = xp.empty(sum(piece.size for piece in pieces), np.float32)
@@ -267,9 +266,10 @@ class Replicated(Strategy):
         self._pending = []
 
     def owned_grad(self):
-        """The reduced gradient of what this rank's optimizer steps, flat, in the working
-        dtype; ``None`` on a rank that steps nothing."""
-        return self.flat_grads
+        """The reduced gradient of what this rank's optimizer steps, in the working dtype:
+        flat pieces (views) in the order :meth:`master_pieces` updates them, concatenated
+        that is the optimizer's flat gradient; ``None`` on a rank that steps nothing."""
+        return [self.flat_grads]
 
     def master_pieces(self):
         return [(self.master, 0, self.layout.total)]
@@ -321,7 +321,7 @@ class ParameterServer(Replicated):
             self.trace.comm("reduce grads at rank 0", work)
 
     def owned_grad(self):
-        return self.flat_grads if self.rank == 0 else None
+        return [self.flat_grads] if self.rank == 0 else None
 
     def publish(self, skipped):
         if self.n > 1 and not skipped:

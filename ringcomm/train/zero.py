@@ -212,8 +212,8 @@ class Zero(Strategy):
         """The shard (stages 2-3), or this rank's slice of each unit inside the full
         gradient buffer (stage 1: views, nothing copied)."""
         if self.sharded("grads"):
-            return self.grad_shard
-        return [self._own_grads(u) for u in self.layout.units]
+            return [self.grad_shard]
+        return self.layout.own_pieces(self.flat_grads, self.rank)
 
     def _own(self, flat):
         return self.layout.own_shard(flat, self.rank)
@@ -238,7 +238,7 @@ class Zero(Strategy):
         # reduce-scatter already follows every kernel that reads them, but a read queued
         # after backward (a hook, an evaluation) must not race the copies
         self._copies.wait_event(self.xp.cuda.get_current_stream().record(self._event()))
-        return self.host_shard
+        return [self.host_shard]
 
     def _event(self):
         return self.xp.cuda.Event(disable_timing=True)  # ordering only
