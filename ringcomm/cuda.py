@@ -1,8 +1,28 @@
 """The GPU a worker owns, through CuPy: :class:`CudaDevice`, the staged device of
-:mod:`ringcomm.device` whose copies and kernels run on a CUDA stream of its own (the stream
-contract and the staging are described there).
+:mod:`ringcomm.device` (the stream contract and the staging are described there).
 
->>> dev = CudaDevice(local_rank=1)      # GPU 1 % device_count, its communication stream made
+**Three streams**, all non-blocking and the device's own, so that a ring step's copy out,
+copy in and reduction can run at once on the GPU's two copy engines and its cores:
+
+- the **communication stream** (:attr:`CudaDevice.stream`): the collective's kernels
+  (reductions, a strided destination's copy); it is current while a collective runs, and
+  its events are the ones callers see (``ready``, ``done``);
+- the **out stream**: device -> host copies (segments staged for the wire);
+- the **in stream**: host -> device copies (received segments).
+
+They are ordered by events, per buffer where the device can tell which bytes a copy
+touches: a copy out waits for the kernels and copies in queued before it (what it reads may
+have just been reduced there, or just landed); a copy into landing buffer k waits only for
+the kernels that read k's previous segment, so it runs while the other landing buffer's
+segment is reduced; a copy into a caller's destination waits for everything queued on the
+communication stream (it may have read or written those bytes) and for the copies out in
+flight that read them; the communication stream waits for each copy in before its next
+kernel, and for the copies out in flight (a kernel after a receive may write what is being
+sent: recursive doubling reduces into the buffer it just sent). The events that only order
+streams are few and re-recorded (a wait takes the event's state when it is queued); those
+the host polls come from a pool.
+
+>>> dev = CudaDevice(local_rank=1)      # GPU 1 % device_count, its three streams made
 """
 import collections
 import contextlib
@@ -26,9 +46,17 @@ class CudaDevice(StagedDevice):
         self.index = local_rank % cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(self.index).use()
         self.stream = cupy.cuda.Stream(non_blocking=True)  # the communication stream
+        self.out_stream = cupy.cuda.Stream(non_blocking=True)  # device -> host copies
+        self.in_stream = cupy.cuda.Stream(non_blocking=True)  # host -> device copies
         self._registered = {}  # lane slot address -> registered with CUDA (False: refused)
         self._held = collections.deque()  # (event, received host array) copies in flight
         self._spare = []  # events of finished segment copies, recorded again for the next ones
+        self._reading = []  # (first, last byte address, event) of each copy out in flight
+        # events that only order streams, re-recorded at each use: the communication
+        # stream's progress, a copy in just queued, and per landing buffer the point after
+        # the kernels that read its last segment
+        self._queued, self._copied_in = self._fresh_event(), self._fresh_event()
+        self._free = [self._fresh_event() for _ in range(self.LANDINGS)]
         super().__init__(slot_bytes)
 
     def _pin(self, window):
@@ -46,7 +74,7 @@ class CudaDevice(StagedDevice):
         return registered
 
     def _hold(self, host):
-        self._held.append((self.stream.record(self._event()), host))
+        self._held.append((self.in_stream.record(self._event()), host))
 
     def release(self):
         held = self._held
@@ -55,12 +83,14 @@ class CudaDevice(StagedDevice):
 
     def finished(self, staged):
         if staged.event is not None:
+            self._reading = [r for r in self._reading if r[2] is not staged.event]
             self._spare.append(staged.event)
             staged.event = None
 
     def settle(self):
         with contextlib.suppress(Exception):  # best effort: the original failure is what matters
-            self.stream.synchronize()
+            for stream in (self.out_stream, self.in_stream, self.stream):
+                stream.synchronize()
 
     def _forget_lanes(self):
         # on the rank's device: every copy into or out of a slot is done before it goes
@@ -87,11 +117,30 @@ class CudaDevice(StagedDevice):
         return self.cupy.empty(nbytes, np.uint8)
 
     def _to_host(self, array, host):
-        array.get(stream=self.stream, out=host, blocking=False)
-        return self.stream.record(self._event())
+        out = self.out_stream
+        out.wait_event(self.stream.record(self._queued))  # after what wrote it (module docstring)
+        array.get(stream=out, out=host, blocking=False)
+        event = out.record(self._event())
+        first = array.data.ptr
+        self._reading.append((first, first + array.nbytes, event))
+        return event
 
-    def _to_device(self, host, out):
-        out.set(host, stream=self.stream)
+    def _to_device(self, host, out, landing=None):
+        copies = self.in_stream
+        if landing is None:  # a caller's destination: after every kernel that may touch it
+            copies.wait_event(self.stream.record(self._queued))
+        else:  # after the kernels that read this buffer's last segment, which are queued by now
+            copies.wait_event(self._free[landing])
+            self.stream.record(self._free[(landing - 1) % self.LANDINGS])
+        first = out.data.ptr
+        last = first + out.nbytes
+        for start, end, event in self._reading:
+            if start < last and first < end:  # a copy out still reads these bytes
+                copies.wait_event(event)
+        out.set(host, stream=copies)
+        self.stream.wait_event(copies.record(self._copied_in))
+        for *_, event in self._reading:  # the next kernel may write what is being sent
+            self.stream.wait_event(event)
 
     def ready(self):
         # the submitting thread's stream *of this device*, used with the device current: a
@@ -107,12 +156,18 @@ class CudaDevice(StagedDevice):
         # switched by a collective it ran inline
         with self.cupy.cuda.Device(self.index), self.stream:
             self.release()  # the slots of the last call's final copies, done by now
+            # copies out of a failed call's segments that were never handed over
+            self._reading = [r for r in self._reading if not r[2].done]
             if ready is not None:
                 self.stream.wait_event(ready)
+            for free in self._free:  # every landing buffer is free after what is queued so far
+                self.stream.record(free)
             yield
 
     def done(self):
         self.release()
+        for *_, event in self._reading:  # none once every segment was handed over
+            self.stream.wait_event(event)
         return self.stream.record(self._fresh_event())
 
     def _event(self):

@@ -6,8 +6,8 @@ worker's accelerator (CuPy). ZeroMQ and the shared-memory lanes move host bytes 
 device segment is *staged*: copied into a **staging buffer** — one of two page-locked
 ("pinned") host buffers, allocated once — before it is sent, and a received segment is
 copied from the host into device memory before it is used there: straight into its
-destination when it has one (a broadcast, an all-gather), else into the **landing buffer**,
-one device buffer reused by every segment that is reduced on arrival.
+destination when it has one (a broadcast, an all-gather), else into a **landing buffer**,
+one of two device buffers taken in turn by the segments that are reduced on arrival.
 
 Three devices share one staging path (:class:`StagedDevice`), so the code that runs on a GPU
 is the code the CPU tests exercise:
@@ -25,25 +25,28 @@ is the code the CPU tests exercise:
    current stream (the kernels that produced the input);
 2. the thread that runs the collective (the caller's, or the communication thread) enters
    :meth:`running`: the device is made current, the communication stream becomes the
-   current stream, and it waits for that event; every copy and reduce kernel of the
-   collective is queued there;
+   current stream, and it waits for that event; every reduce kernel of the collective is
+   queued there, and its copies on two copy streams ordered after it (:mod:`ringcomm.cuda`);
 3. when the collective's last device work is queued, :meth:`done` records the **completion
-   event** on the communication stream;
+   event** on the communication stream, which has waited for every copy that lands on the
+   device;
 4. :meth:`join` — on return of a synchronous call, or in ``Work.wait()`` — makes the
    *waiting* thread's current stream wait for the completion event, so kernels it queues
    next see the result without the host blocking; ``Work.synchronize()`` blocks the host
    until the event has passed.
 
 Staging is double-buffered: :meth:`StagedDevice.stage_out` queues a segment's copy to the
-host on the communication stream and returns at once with an event; the link hands a
+host (on a GPU on a copy stream of its own, ordered after the communication stream's work:
+see :mod:`ringcomm.cuda`) and returns at once with an event; the link hands a
 staged segment to the transport once its event has passed, polling it as it stages the next
 one, so the copy of segment k+1 runs while segment k is handed over. Before the rank waits
 for a message, and when a call's body ends, every staged segment is handed over (waiting
 for its copy): a segment never waits on a receive, so staging cannot deadlock a schedule.
 The transport copies a segment (into ZeroMQ's buffer, a channel or a lane slot) before
 ``send`` returns, so a staging buffer is free again as soon as its segment is handed over. A
-received segment is copied in on the same stream, so the kernel that reduces it follows
-it, and the next copy into the landing buffer follows that kernel.
+received segment is copied in (on a GPU on the other copy stream) before the kernel that
+reduces it runs, and a copy into a landing buffer follows the kernel that read the buffer's
+previous segment, while the other buffer's segment may still be being reduced.
 
 **Lane slots** (between ranks of one host, segments large enough for the shared-memory
 lanes of :mod:`ringcomm.transport.shm`): the device copies straight into a free slot of
@@ -120,16 +123,20 @@ class Staged:
 
 class StagedDevice(HostDevice):
     """Staging through :attr:`BUFFERS` reused pinned buffers, and received segments landing
-    in their destination or one reused device buffer; subclasses move the bytes."""
+    in their destination or one of two reused device buffers; subclasses move the bytes."""
 
     staged = True
     BUFFERS = 2  # copy k+1 to the host while segment k is handed to the transport
+    LANDINGS = 2  # copy segment k+1 in while segment k is reduced
 
     def __init__(self, slot_bytes=1 << 20):
         self.slot_bytes = slot_bytes
         self._buffers = [self._pinned(slot_bytes) for _ in range(self.BUFFERS)]
         self._next = 0
-        self._landing = None  # the device buffer a segment without a destination lands in
+        # the device buffers a segment without a destination lands in, taken in turn (a
+        # copy into one may run while the kernel that reads the other's segment does)
+        self._landings = [None] * self.LANDINGS
+        self._landed = 0  # how many segments have landed in them
         self._transport = None  # whose lane slots this device copies through (see attach)
         self.copies_out = self.copies_in = 0
         self.slot_copies = 0  # copies straight between the device and a lane slot
@@ -164,9 +171,9 @@ class StagedDevice(HostDevice):
 
     def stage_in(self, host, into=None, slot=None):
         """The received host array ``host`` on the device: copied into ``into`` (a device
-        array of its shape and dtype), or else into the landing buffer, which the next
-        ``stage_in`` overwrites: use what it returns before receiving again (the device
-        reads it in stream order, before the next copy lands). ``slot``: the lane slot
+        array of its shape and dtype), or else into a landing buffer, which a later
+        ``stage_in`` overwrites: queue what uses what it returns before receiving again (the
+        device reads it in stream order, before a copy lands there again). ``slot``: the lane slot
         ``host`` lies in (the transport's ``slot_of``); a copy from a registered slot runs
         asynchronously, so ``host`` is kept (and the slot unacknowledged) until it is done."""
         self.copies_in += 1
@@ -185,11 +192,13 @@ class StagedDevice(HostDevice):
 
     def _copy_in(self, host, into):
         if into is None or not into.flags.c_contiguous:
-            landing = self._landing
+            turn = self._landed % self.LANDINGS
+            self._landed += 1
+            landing = self._landings[turn]
             if landing is None or landing.nbytes < host.nbytes:
-                landing = self._landing = self._device_bytes(max(host.nbytes, self.slot_bytes))
+                landing = self._landings[turn] = self._device_bytes(max(host.nbytes, self.slot_bytes))
             target = landing[:host.nbytes].view(host.dtype)
-            self._to_device(host, target)
+            self._to_device(host, target, turn)
             if into is None:
                 return target
             into[...] = target  # a strided destination: one copy on the device
@@ -231,7 +240,9 @@ class StagedDevice(HostDevice):
         """Start the copy; returns an event to poll, or None when the bytes are there."""
         raise NotImplementedError
 
-    def _to_device(self, host, out):
+    def _to_device(self, host, out, landing=None):
+        """Copy ``host`` into ``out``: a caller's destination, or a view of landing buffer
+        number ``landing``. The kernels queued next read what it copied."""
         raise NotImplementedError
 
 
@@ -264,7 +275,7 @@ class EmulatedDevice(StagedDevice):
         self._current()
         np.copyto(host, array)
 
-    def _to_device(self, host, out):
+    def _to_device(self, host, out, landing=None):
         self._current()
         np.copyto(out, host)
 

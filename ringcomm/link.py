@@ -167,8 +167,8 @@ class Link:
 
     def recv(self, peer, step, segment, count=None, wait=True, into=None):
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
-        array over the received buffer, or, for device collectives, a device array in the
-        landing buffer that the next receive overwrites (use it first). With ``into`` (a
+        array over the received buffer, or, for device collectives, a device array in a
+        landing buffer that a later receive overwrites (use it before receiving again). With ``into`` (a
         flat array of ``count`` elements) they are copied straight there and ``into`` is
         returned. With ``wait=False``: ``None`` if not arrived yet."""
         if count is None:

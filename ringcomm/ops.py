@@ -77,7 +77,7 @@ def reduce_into(op, acc, incoming):
 def reduced(op, a, b, out=None, reuse_b=False):
     """``a (op) b`` into ``out`` (which may be ``a`` or ``b``), or into a new array when
     ``out`` is None; ``reuse_b``: ``b`` is a device buffer the caller is done with (a received
-    segment in the landing buffer), which takes the result instead of a new array. On a GPU
+    segment in a landing buffer), which takes the result instead of a new array. On a GPU
     one pass (kernels/reduce.cu's ``reduce_out_*``), with no copy of ``a`` first."""
     if not isinstance(a, np.ndarray):
         if out is None:

@@ -67,19 +67,22 @@ def test_two_staging_buffers_are_taken_in_turn_and_each_call_copies():
     assert dev.copies_out == 3
 
 
-def test_received_segments_land_in_place_or_in_one_reused_buffer():
+def test_received_segments_land_in_place_or_in_two_buffers_taken_in_turn():
     dev = EmulatedDevice(slot_bytes=64)
     dev.activate()
-    first = dev.stage_in(np.arange(4.0))
-    second = dev.stage_in(np.arange(3, dtype=np.float32))
-    assert np.shares_memory(first, second), "a fresh device buffer per received segment"
-    assert np.array_equal(second, np.arange(3, dtype=np.float32))
+    landed = [dev.stage_in(np.arange(4.0) + k) for k in range(dev.LANDINGS + 1)]
+    assert not np.shares_memory(landed[0], landed[1]), "segment k+1 landed over segment k"
+    assert np.shares_memory(landed[0], landed[dev.LANDINGS]), "a fresh device buffer per received segment"
+    assert np.array_equal(landed[1], np.arange(4.0) + 1) and np.array_equal(landed[-1], np.arange(4.0) + 2)
+    third = dev.stage_in(np.arange(3, dtype=np.float32))  # another dtype in the same bytes
+    assert np.shares_memory(third, landed[1]) and np.array_equal(third, np.arange(3, dtype=np.float32))
     dst = np.zeros(10)
     assert dev.stage_in(np.arange(4.0), into=dst[2:6]) is not None and np.array_equal(dst[2:6], np.arange(4.0))
-    assert not np.shares_memory(dst, dev._landing), "a segment with a destination went via the landing buffer"
+    assert not any(np.shares_memory(dst, buffer) for buffer in dev._landings), \
+        "a segment with a destination went via a landing buffer"
     strided = np.zeros(8)
-    dev.stage_in(np.arange(4.0), into=strided[::2])  # a strided destination: via the landing buffer
-    assert np.array_equal(strided[::2], np.arange(4.0)) and dev.copies_in == 4
+    dev.stage_in(np.arange(4.0), into=strided[::2])  # a strided destination: via a landing buffer
+    assert np.array_equal(strided[::2], np.arange(4.0)) and dev.copies_in == dev.LANDINGS + 4
 
 
 def test_segment_larger_than_slot_is_refused():

@@ -307,6 +307,88 @@ def test_staging_is_double_buffered_and_receives_reuse_device_memory(backend):
             assert broadcast["waits"] <= 4, f"rank {rank}: the host blocked per segment: {line}"
 
 
+# Which stream each piece of a staged ring all-reduce goes on, on the stand-in: copies out,
+# copies in and reduce kernels each on one of their own, so that a GPU can run a ring step's
+# three at once. The result is still the sum: the stand-in carries out each stream's work
+# only when forced, so a missing order between two of them reads poison or a stale segment.
+STEP_STREAMS = textwrap.dedent("""
+    import json, cupy as cp, ringcomm
+    from cupy import _runtime
+    comm = ringcomm.init(device="gpu")
+    n, r, dev = comm.world_size, comm.rank, comm._device
+    x = cp.arange(16 * 16384, dtype=cp.float32) * (r + 1)  # 16 segments of 64 KiB
+    comm.all_reduce(x + 0, algorithm="ring")  # warm-up
+    queued, launch = [], _runtime.Stream.launch
+
+    def logged(self, fn, what="work", any_device=False):
+        queued.append((what, self))
+        return launch(self, fn, what, any_device)
+    _runtime.Stream.launch = logged
+    comm.all_reduce(x, algorithm="ring")
+    _runtime.Stream.launch = launch
+    names = {id(dev.stream): "communication", id(dev.out_stream): "out", id(dev.in_stream): "in"}
+    kinds = {"a device -> host copy": "copy out", "a host -> device copy": "copy in"}
+    seen = {}
+    for what, stream in queued:
+        kind = kinds.get(what, "reduction" if what.startswith("kernel reduce") else None)
+        if kind is not None:
+            seen.setdefault(kind, set()).add(names.get(id(stream), repr(stream)))
+    ok = bool((x == cp.arange(16 * 16384, dtype=cp.float32) * (n * (n + 1) // 2)).all())
+    print("STEP", json.dumps({"ok": ok, "streams": {k: sorted(v) for k, v in seen.items()},
+                             "distinct": len(names) == 3}))
+""")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_ring_steps_copies_and_reductions_go_on_streams_of_their_own(n, backend):
+    name, env = backend
+    if name != "standin":
+        pytest.skip("counts the stand-in's operations; a GPU runs the same path in the other tests")
+    env = dict(env, RINGCOMM_SEGMENT_BYTES="65536")
+    for rank, out in enumerate(job_outputs(STEP_STREAMS, n, env, timeout=120)):
+        got = reported(out, "STEP")
+        assert got["ok"] and got["distinct"], f"rank {rank}: {got}"
+        assert got["streams"] == {"copy out": ["out"], "copy in": ["in"], "reduction": ["communication"]}, \
+            f"rank {rank}: {got}"
+
+
+# The device's own order between its copies out and what comes after them, one process:
+# a copy in over bytes a copy out still reads, and a kernel after a receive that writes what
+# is being sent, both before the host has seen the copy out finish. The collectives never
+# leave a copy out unfinished across a receive (they hand every staged segment over first),
+# so only this device-level case shows these two orders missing.
+OVERLAP = textwrap.dedent("""
+    import json, cupy as cp, numpy as np
+    from ringcomm.cuda import CudaDevice
+    dev = CudaDevice(0, slot_bytes=1 << 16)
+    count = 4096
+    with dev.running(None):
+        x = cp.arange(count, dtype=cp.float32)
+        over = dev.stage_out(x)
+        dev.stage_in(np.full(count, 7, np.float32), into=x)  # lands where the copy out reads
+        y = cp.arange(count, dtype=cp.float32) * 2
+        under = dev.stage_out(y)
+        y += dev.stage_in(np.ones(count, np.float32))  # writes what is being sent
+        done = dev.done()
+    done.synchronize()
+    want = np.arange(count, dtype=np.float32)
+    print("OVERLAP", json.dumps({
+        "sent before landing": bool(np.array_equal(over.host, want)),
+        "landed": bool((x == 7).all()),
+        "sent before the kernel": bool(np.array_equal(under.host, want * 2)),
+        "reduced": bool((y == cp.asarray(want * 2 + 1)).all())}))
+""")
+
+
+def test_copies_in_and_kernels_wait_for_the_copies_out_that_read_their_bytes(backend):
+    _, env = backend
+    out = subprocess.run([sys.executable, "-c", OVERLAP], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = reported(out.stdout, "OVERLAP")
+    assert all(got.values()), got
+
+
 # A device send larger than the point-to-point window, to a receiver that comes late: the
 # segments staged but not yet handed over count against the window, or the sender would
 # pass it and the receiver refuse the data.

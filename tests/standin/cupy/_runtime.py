@@ -7,7 +7,7 @@ is queued on the stream and carried out only when something forces it, in stream
   (each counted as a ``host sync``, and as a ``host wait`` when work was still queued; so is
   every operation whose result's shape or value the host needs: a boolean mask, a scalar);
 - ``event.done`` carries out one more operation of the event's stream per query that finds
-  it pending;
+  it pending (and the waits before it whose event has passed, which take no time on a GPU);
 - an operation queued on stream B after ``B.wait_event(e)`` first completes e's stream up to
   the point where ``e`` was recorded;
 - on the legacy null stream (the default unless ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``)
@@ -26,6 +26,7 @@ So a reader that does not wait for a writer on another stream reads what was the
 sometimes. The current device and each device's current stream are per thread, as in CUDA.
 """
 import collections
+import itertools
 import os
 import threading
 import weakref
@@ -151,8 +152,29 @@ def _entered():
     return stack
 
 
-def _until(stream, position):
-    return lambda: stream.run_until(position)
+class _Until:
+    """A stream's wait for ``stream`` to pass ``position`` (an event, or CUDA's implicit
+    order): carrying it out carries out that stream up to there."""
+
+    __slots__ = ("stream", "position")
+
+    def __init__(self, stream, position):
+        self.stream, self.position = stream, position
+
+    def __call__(self):
+        self.stream.run_until(self.position)
+
+    @property
+    def passed(self):
+        """The awaited point is behind, or only waits that have passed stand before it: on
+        a GPU this wait costs nothing."""
+        stream = self.stream
+        pending = self.position - stream._done
+        return pending <= 0 or all(getattr(fn, "passed", False)
+                                   for _, fn in itertools.islice(stream._queue, pending))
+
+
+_until = _Until
 
 
 _null = {}
@@ -265,6 +287,9 @@ class Event:
         if stream is None:
             return True
         with LOCK:
+            # waits already satisfied take no time on a GPU: they go by with the next operation
+            while stream._done < self._position and getattr(stream._queue[0][1], "passed", False):
+                stream.run_until(stream._done + 1)
             if stream._done >= self._position:
                 return True
             stream.run_until(stream._done + 1)
