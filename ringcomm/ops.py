@@ -13,7 +13,7 @@ from enum import Enum
 import numpy as np
 
 from . import kernels
-from .device import array_module
+from .arrays import array_module
 from .kernels.reference import BITWISE, UFUNCS
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..device import array_module
+from ..arrays import array_module
 from . import functional as F
 from .attention import LocalAttention, RingAttention, span_positions, zigzag_spans
 from .regions import Regions

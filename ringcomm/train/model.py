@@ -16,7 +16,7 @@ results stored back in the storage dtype.
 """
 import numpy as np
 
-from ..device import array_module
+from ..arrays import array_module
 
 
 def param_specs(layers):

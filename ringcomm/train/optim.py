@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from .. import kernels
-from ..device import copy_into
+from ..arrays import copy_into
 
 
 class Adam:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import kernels
 from ..algorithms.choice import bandwidth_algorithm
-from ..device import array_module, cast_into, copy_into, to_host
+from ..arrays import array_module, cast_into, copy_into, to_host
 from .memory import predicted
 from .layout import Countdown, Layout
 from .optim import LossScaler, clip_coefficient, make_optimizer

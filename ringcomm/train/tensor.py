@@ -25,7 +25,7 @@ import numpy as np
 
 from ..algorithms.chunks import split
 from ..algorithms.choice import all_reduce_bytes
-from ..device import array_module
+from ..arrays import array_module
 
 
 class TPLayer:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .checkpoint import files as checkpoint_files, state as checkpoint_state
 from .checkpoint.layout import Placement
-from ..device import to_host
+from ..arrays import to_host
 from .memory import MemoryRegistry
 from . import corpus, data as datasets, mesh as meshes, models, report
 from .config import validate

@@ -28,7 +28,7 @@ gradients at 2, parameters at 3.
 """
 import numpy as np
 
-from ..device import cast_into, copy_into, to_host
+from ..arrays import cast_into, copy_into, to_host
 from .layout import Countdown
 from .strategy import Strategy
 

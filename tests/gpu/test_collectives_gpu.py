@@ -359,7 +359,7 @@ def test_a_ring_steps_copies_and_reductions_go_on_streams_of_their_own(n, backen
 # so only this device-level case shows these two orders missing.
 OVERLAP = textwrap.dedent("""
     import json, cupy as cp, numpy as np
-    from ringcomm.cuda import CudaDevice
+    from ringcomm.device.cuda import CudaDevice
     dev = CudaDevice(0, slot_bytes=1 << 16)
     count = 4096
     with dev.running(None):

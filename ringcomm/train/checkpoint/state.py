@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...device import to_host
+from ...arrays import to_host
 from .files import (
     FORMAT, MANIFEST, VERSION, CheckpointError, Entry, remove_stale_temporaries, fsync_dir,
     find_resumable, load_npz, move_aside, npz_bytes, prune, step_dir, write_durable)

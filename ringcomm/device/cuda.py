@@ -1,5 +1,5 @@
 """The GPU a worker owns, through CuPy: :class:`CudaDevice`, the staged device of
-:mod:`ringcomm.device` (the stream contract and the staging are described there).
+:mod:`ringcomm.device.staged` (the stream contract is in :mod:`ringcomm.device`).
 
 **Three streams**, all non-blocking and the device's own, so that a ring step's copy out,
 copy in and reduction can run at once on the GPU's two copy engines and its cores:
@@ -26,10 +26,13 @@ the host polls come from a pool.
 """
 import collections
 import contextlib
+import logging
 
 import numpy as np
 
-from .device import StagedDevice, log
+from .staged import StagedDevice
+
+log = logging.getLogger(__name__)
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 

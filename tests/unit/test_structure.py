@@ -1,0 +1,74 @@
+"""The package's import graph, read from the source: no cycle, and no module importing a
+layer above its own (trainer -> communicator -> algorithms -> transport / device)."""
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "ringcomm"
+
+# layer -> the modules and packages it must never import (every import, lazy ones too)
+ABOVE = {
+    "ringcomm.transport": ("ringcomm.comm", "ringcomm.collective", "ringcomm.engine", "ringcomm.link",
+                           "ringcomm.algorithms", "ringcomm.train", "ringcomm.torch", "ringcomm.device"),
+    "ringcomm.device": ("ringcomm.comm", "ringcomm.collective", "ringcomm.engine", "ringcomm.link",
+                        "ringcomm.algorithms", "ringcomm.train", "ringcomm.torch", "ringcomm.transport"),
+    "ringcomm.arrays": ("ringcomm.comm", "ringcomm.device", "ringcomm.transport", "ringcomm.train"),
+    "ringcomm.algorithms": ("ringcomm.comm", "ringcomm.train", "ringcomm.torch"),
+    "ringcomm.comm": ("ringcomm.train", "ringcomm.torch"),
+}
+
+
+def module_name(path):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports():
+    """module -> the ringcomm modules it imports (submodules resolved where they exist)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                           for alias in node.names]
+            else:
+                continue
+            found.update(t for t in targets if t in files and t != name)
+        graph[name] = found
+    return graph
+
+
+def test_the_reader_sees_the_imports_it_should():
+    graph = imports()
+    assert "ringcomm.device.staged" in graph["ringcomm.device.cuda"]
+    assert "ringcomm.device.cuda" in graph["ringcomm.device"]  # a lazy import, inside select()
+    assert "ringcomm.arrays" in graph["ringcomm.train.strategy"]
+
+
+def test_the_import_graph_has_no_cycle():
+    try:
+        tuple(graphlib.TopologicalSorter(imports()).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"an import cycle: {' -> '.join(exc.args[1])}")
+
+
+@pytest.mark.parametrize("layer", sorted(ABOVE))
+def test_no_module_imports_a_layer_above_its_own(layer):
+    wrong = sorted((module, target) for module, targets in imports().items()
+                   if module == layer or module.startswith(layer + ".")
+                   for target in targets
+                   if any(target == up or target.startswith(up + ".") for up in ABOVE[layer]))
+    assert not wrong, f"imports that point up from {layer}: {wrong}"
