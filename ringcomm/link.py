@@ -11,13 +11,13 @@ the group (inside each host, then across hosts) gets a :class:`SubLink` for each
 >>> link.recv(0, 0, 1, into=x[4:8])     # straight into x[4:8]
 >>> rail = link.sub((1, 3), phase=2)   # on group rank 3: rail.rank == 1, rail.send(0, ...) -> rank 1
 """
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from .device import HostDevice
 from .errors import CollectiveMismatch, CommTimeout
+from .staging import StagingQueue
 from .transport.frame import COLLECTIVE, Key, new_key
 
 
@@ -61,9 +61,7 @@ class Link:
         self.segment_bytes = segment_bytes
         self.deadline, self.what, self.stats = deadline, what, stats
         self.device = device  # stages device segments through pinned host buffers
-        self._staged = deque()  # (global rank, key, Staged) not yet handed to the transport
-        if device.staged:
-            device.attach(transport)
+        self._staged = StagingQueue(transport, device, sig) if device.staged else None
         # which group ranks share which host (None: all of them share this one)
         self.topology = topology
         self._remote = None if topology is None else topology.remote
@@ -76,15 +74,15 @@ class Link:
     def send(self, peer, step, segment, array, copy=False):
         """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
         zero-copy unless ``copy``: do not modify them before the collective ends. A device
-        segment is staged (see ringcomm.device): its copy to the host starts here and it is
-        handed to the transport once that copy is done, at the latest before this rank next
-        waits for a message or the call's body ends."""
+        segment is staged (see :mod:`ringcomm.staging`): its copy to the host starts here
+        and it is handed to the transport once that copy is done, at the latest before this
+        rank next waits for a message or the call's body ends."""
         key = new_key((self.comm_id, self.space, self.seq, step, segment))
         dst = self.ranks[peer]
         if self._room is not None and dst not in self._room:
             self._await_room(dst)
-        if self.device.staged:
-            self._stage(dst, key, array)
+        if self._staged is not None:
+            self._staged.put(dst, key, array)
         else:
             self.transport.send(dst, key, self.sig, array.view(np.uint8), copy=copy)
         stats = self.stats
@@ -93,91 +91,34 @@ class Link:
         if self._remote is not None and self._remote[peer]:
             stats.bytes_sent_inter_host += array.nbytes
 
-    def _stage(self, dst, key, array):
-        staged = self._staged
-        if len(staged) == self.device.BUFFERS:  # its staging buffer is the one taken next
-            self._hand_over_first()
-        # a segment bound for a lane is copied straight into a slot of it, when one is free
-        slot = self.transport.take_slot(dst, key, array.nbytes)
-        try:
-            staged.append((dst, key, self.device.stage_out(array, slot)))
-        except BaseException:
-            if slot is not None:
-                self.device.settle()  # a copy queued before the failure lands first
-                self.transport.give_back_slot(dst, slot[0])
-            raise
-        while staged and staged[0][2].done():  # poll: the copies that have finished go out
-            self._hand_over_first()
-
-    def _hand_over_first(self):
-        """Hand the oldest staged segment to the transport once its copy is done (it leaves
-        the queue only then: a failed wait leaves its slot to :meth:`discard`)."""
-        dst, key, staged = self._staged[0]
-        staged.wait()
-        self._staged.popleft()
-        self.device.finished(staged)
-        host, staged.host = staged.host, None  # no array over a slot outlives its hand-over
-        if staged.slot is None:  # the transport copies before send returns: the buffer is free
-            self.transport.send(dst, key, self.sig, host.view(np.uint8), copy=True)
-        else:
-            self.transport.send_slot(dst, key, self.sig, staged.slot, host.nbytes)
-
-    def _take_staging(self, src, key, wait):
-        """:meth:`_take` while segments are staged: hand over those whose copies have
-        finished, take the message if it is here (the other copies go on meanwhile), else
-        hand the oldest over, waiting for its copy; once all are out, wait as usual. No
-        staged segment waits on the message, and the host never spins on a copy."""
-        staged = self._staged
-        while staged:
-            while staged and staged[0][2].done():
-                self._hand_over_first()
-            self.transport.pump(0)
-            payload = self._take(src, key, wait=False)
-            if payload is not None or not wait:
-                return payload
-            if staged:
-                self._hand_over_first()
-        return self._take(src, key, wait)
-
     @property
     def staged_bytes(self):
         """Bytes staged here but not yet handed to the transport (flow control counts them)."""
-        return sum(staged.host.nbytes for _, _, staged in self._staged)
+        return self._staged.nbytes if self._staged else 0
 
     def drain(self):
         """Hand every staged segment to the transport, waiting for its copy."""
-        staged = self._staged
-        while staged:
-            self._hand_over_first()
+        if self._staged:
+            self._staged.drain()
 
     def discard(self):
-        """Drop what is staged (the call failed), giving back the lane slots it holds once
-        their copies are done (a copy still landing must not meet the slot's next use)."""
-        staged = self._staged
-        while staged:
-            dst, _, segment = staged.popleft()
-            segment.host = None
-            if segment.slot is not None:
-                try:
-                    segment.wait()
-                    self.device.finished(segment)
-                except BaseException:  # noqa: BLE001 - the device failed: its copy lands nowhere now
-                    pass
-                self.transport.give_back_slot(dst, segment.slot)
+        """Drop what is staged (the call failed); see :meth:`StagingQueue.discard`."""
+        if self._staged:
+            self._staged.discard()
 
     def recv(self, peer, step, segment, count=None, wait=True, into=None):
         """The ``count`` elements group rank ``peer`` sent for (step, segment): a read-only
         array over the received buffer, or, for device collectives, a device array in a
-        landing buffer that a later receive overwrites (use it before receiving again). With ``into`` (a
-        flat array of ``count`` elements) they are copied straight there and ``into`` is
-        returned. With ``wait=False``: ``None`` if not arrived yet."""
+        landing buffer that a later receive overwrites (use it before receiving again). With
+        ``into`` (a flat array of ``count`` elements) they are copied straight there and
+        ``into`` is returned. With ``wait=False``: ``None`` if not arrived yet."""
         if count is None:
             if into is None:
                 raise TypeError("recv needs count or into")
             count = into.size
         key = new_key((self.comm_id, self.space, self.seq, step, segment))
         if self._staged:
-            payload = self._take_staging(self.ranks[peer], key, wait)
+            payload = self._staged.take(self._take, self.ranks[peer], key, wait)
         else:
             payload = self._take(self.ranks[peer], key, wait)
         if payload is None:
@@ -202,6 +143,34 @@ class Link:
             return received
         into[...] = received
         return into
+
+    # -- what a point-to-point transfer asks of the transport (see ringcomm.p2p) ----------
+    def window_left(self, peer, tag):
+        """Bytes this rank may still send to group rank ``peer`` on ``tag`` now."""
+        return self.transport.window_left((self.ranks[peer], self.comm_id, tag))
+
+    def window_open(self, peer, tag, nbytes):
+        """Whether ``nbytes`` more fit the window to group rank ``peer`` on ``tag``, the
+        bytes staged here but not yet handed over counted."""
+        return self.transport.window_open((self.ranks[peer], self.comm_id, tag), nbytes, self.staged_bytes)
+
+    @property
+    def window(self):
+        return self.transport.window
+
+    def check(self, peer, why):
+        """Between waits: raise if the deadline passed (``why`` says what was waited for),
+        this rank is stopping, or group rank ``peer`` (None: any) was lost."""
+        self.transport.check(None if peer is None else self.ranks[peer], self.deadline, why)
+
+    def has_left(self, peer):
+        """Whether group rank ``peer`` closed its communicator."""
+        return self.transport.has_left(self.ranks[peer])
+
+    def first_arrived(self, keys):
+        """Of ``keys`` (group rank, Key), the index of the one whose message began to arrive
+        first, or None if none has."""
+        return self.transport.mailbox.first_arrived([(self.ranks[p], key) for p, key in keys])
 
     def sub(self, members, phase):
         """A :class:`SubLink` over the group ranks ``members`` (this rank among them)."""

@@ -33,20 +33,18 @@ from .transport.frame import POINT_TO_POINT, Key
 def send(link, flat, dst, tag):
     """The body of a send: segments go out while the window to ``dst`` allows; the rest as
     credits come back (a :class:`Deferred`)."""
-    transport, peer = link.transport, link.ranks[dst]
-    flow = (peer, link.comm_id, tag)
+    peer = link.ranks[dst]
     todo = deque(enumerate(segments(flat.size, flat.itemsize, link.segment_bytes)))
     # a send that must wait for credit outlives the call: its segments are copied (a zero-copy
     # send would need the caller's array until the network took it)
-    fits = transport.window_left(flow) >= flat.nbytes
+    fits = link.window_left(dst, tag) >= flat.nbytes
 
     def progress():
         while todo:
             j, sl = todo[0]
-            if not transport.window_open(flow, (sl.stop - sl.start) * flat.itemsize, link.staged_bytes):
-                transport.check(peer, link.deadline, f"{link.what}: rank {peer} has not received "
-                                f"what this rank sent before on tag {tag} (flow-control window "
-                                f"of {transport.window} bytes full)")
+            if not link.window_open(dst, tag, (sl.stop - sl.start) * flat.itemsize):
+                link.check(dst, f"{link.what}: rank {peer} has not received what this rank sent "
+                           f"before on tag {tag} (flow-control window of {link.window} bytes full)")
                 return False
             link.send(dst, tag, j, flat[sl], copy=not fits)
             todo.popleft()
@@ -82,20 +80,17 @@ def _bound(link, ticket, receives):
     every wait checks: the deadline, this rank stopping, a lost peer. Peers that closed
     their communicator drop out of an any-source receive's choice once nothing of theirs
     is left to take; when every peer has, it raises PeerLost."""
-    transport = link.transport
     if ticket.any:
         peers = [p for p in range(link.size) if p != link.rank]
         if not receives.bind_any(ticket, lambda number: _first_arrived(link, ticket.tag, peers, number)):
             # nothing of theirs is here for this receive (one behind it waits its turn)
-            if receives.at_head(ticket) and all(transport.has_left(link.ranks[p]) for p in peers):
-                transport.check(link.ranks[peers[0]], link.deadline, f"{link.what}: every rank "
-                                f"it may come from ({peers}) has closed")
-            transport.check(None, link.deadline, f"{link.what}: timed out waiting for a message "
-                            f"from any of ranks {peers}")
+            if receives.at_head(ticket) and all(link.has_left(p) for p in peers):
+                link.check(peers[0], f"{link.what}: every rank it may come from ({peers}) has closed")
+            link.check(None, f"{link.what}: timed out waiting for a message from any of ranks {peers}")
             return False
         link.what = f"{link.what} (took rank {ticket.src}'s #{ticket.seq})"
     elif ticket.seq is None:
-        transport.check(link.ranks[ticket.src], link.deadline, f"{link.what}: timed out")
+        link.check(ticket.src, f"{link.what}: timed out")
         return False
     else:
         link.what = f"{link.what} (#{ticket.seq})"
@@ -106,6 +101,5 @@ def _bound(link, ticket, receives):
 def _first_arrived(link, tag, peers, number):
     """Of group ranks ``peers``, the one whose next message on ``tag`` (``number(peer)``)
     began to arrive first, or None if none has."""
-    candidates = [(link.ranks[p], Key(link.comm_id, POINT_TO_POINT, number(p), tag, 0)) for p in peers]
-    first = link.transport.mailbox.first_arrived(candidates)
+    first = link.first_arrived([(p, Key(link.comm_id, POINT_TO_POINT, number(p), tag, 0)) for p in peers])
     return None if first is None else peers[first]

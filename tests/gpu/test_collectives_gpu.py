@@ -238,13 +238,13 @@ STAGING = textwrap.dedent("""
     import json, cupy as cp, numpy as np, ringcomm
     from cupy import _runtime
     from ringcomm.device import StagedDevice
-    from ringcomm.link import Link
+    from ringcomm.staging import StagingQueue
     comm = ringcomm.init(device="gpu")
     n, r = comm.world_size, comm.rank
     log = []
-    stage_out, hand_over = StagedDevice.stage_out, Link._hand_over_first
+    stage_out, hand_over = StagedDevice.stage_out, StagingQueue.hand_over_first
     StagedDevice.stage_out = lambda self, a, slot=None: (log.append("stage"), stage_out(self, a, slot))[1]
-    Link._hand_over_first = lambda self: (log.append("hand"), hand_over(self))[1]
+    StagingQueue.hand_over_first = lambda self: (log.append("hand"), hand_over(self))[1]
     segments = 32
     x = cp.arange(segments * 65536, dtype=cp.float32) + r  # 256 KiB segments: through lanes
     comm.all_reduce(x + 0); comm.broadcast(x + 0, root=0)  # warm-up: the landing buffer is made
