@@ -7,7 +7,12 @@ True
 >>> to_host(np.arange(3)).tolist()                # a CuPy array would be copied to the host
 [0, 1, 2]
 """
+from typing import Any, TypeAlias
+
 import numpy as np
+
+# a numpy.ndarray or a cupy.ndarray; CuPy is optional, so checkers see it as any array
+Array: TypeAlias = Any
 
 
 def to_host(a):

@@ -10,6 +10,7 @@ across ranks by the signature (:mod:`ringcomm.signature`), not here.
 import numpy as np
 
 from . import signature
+from .errors import CollectiveMismatch
 from .kernels import reference
 
 
@@ -64,6 +65,17 @@ def check_peer(peer, name, tag, rank, size, group="the group"):
     if peer == rank:
         raise ValueError(f"{name}={peer} is this rank itself")
     check_tag(tag)
+
+
+def check_source(src, tag, rank, size, group="the group"):
+    """A receive's source: a peer (:func:`check_peer`), or None (any other rank of a group
+    that has one)."""
+    if src is not None:
+        check_peer(src, "src", tag, rank, size, group)
+        return
+    check_tag(tag)
+    if size < 2:
+        raise ValueError(f"recv from any source on {group}: it has no other rank")
 
 
 def check_tag(tag):
@@ -127,3 +139,19 @@ def _overlap(a, b):
         return np.shares_memory(a, b)
     lo_a, lo_b = _address(a), _address(b)
     return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
+
+
+def agree_splits(comm, outs, ins):
+    """Every rank's all-to-all splits, all-gathered over ``comm``: CollectiveMismatch on every
+    rank if any rank r's ``in_splits[s]`` differs from rank s's ``out_splits[r]``. One
+    all-gather of 2n² int64."""
+    n = comm.world_size
+    mine = np.array(list(ins) + list(outs), np.int64)
+    table = np.empty(2 * n * n, np.int64)
+    comm.all_gather(table, mine)
+    table = table.reshape(n, 2, n)  # [rank, in/out, peer]
+    bad = [(r, s) for r in range(n) for s in range(n) if table[r, 0, s] != table[s, 1, r]]
+    if bad:
+        r, s = bad[0]
+        raise CollectiveMismatch(f"all_to_all on {comm.name}: rank {r} sends {table[r, 0, s]} elements "
+                                 f"to rank {s}, which expects {table[s, 1, r]} from it")

@@ -11,12 +11,16 @@ their heavy loops, so the caller's compute overlaps the communication.
 >>> loss = forward(next_batch)                     # overlaps with the all-reduce
 >>> work.wait()                                    # grad now holds the sum
 """
+from __future__ import annotations
+
 import logging
 import os
 import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 from .errors import CommError, CommTimeout
 
@@ -122,7 +126,7 @@ class Work:
             if event is not None:
                 event.set()
 
-    def add_done_callback(self, fn):
+    def add_done_callback(self, fn: Callable[[Work], object]) -> None:
         """Call ``fn(work)`` once the work is done, successfully or not: at once if it is,
         else on the thread that finishes it (mostly the communication thread, so ``fn``
         must be quick and must not wait for communication)."""
@@ -136,11 +140,11 @@ class Work:
         self._error = exc
         self._finish()
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         """True once the operation finished, successfully or not."""
         return self._done
 
-    def wait(self, timeout=None, synchronize=False):
+    def wait(self, timeout: float | None = None, synchronize: bool = False) -> Any:
         """Block until done (at most ``timeout`` seconds); return the result or raise its error.
 
         The communicator's own deadline bounds every operation, so ``timeout=None`` never
@@ -164,15 +168,15 @@ class Work:
             self._join(synchronize)
         return self._result
 
-    def exception(self):
+    def exception(self) -> BaseException | None:
         return self._error
 
-    def joins(self, join):
+    def joins(self, join: Callable[[bool], object]) -> None:
         """``join(synchronize)`` runs on the thread that waits, after a successful wait: on a
         GPU it orders that thread's stream after the call's device work."""
         self._join = join
 
-    def synchronize(self, timeout=None):
+    def synchronize(self, timeout: float | None = None) -> Any:
         """:meth:`wait`, then block until the operation's device work is finished too (on a
         GPU: its completion event; elsewhere the same as ``wait``)."""
         return self.wait(timeout, synchronize=True)

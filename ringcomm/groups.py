@@ -41,7 +41,7 @@ def new_group(comm, ranks, members_only):
     if members_only and comm.rank not in members:
         raise ValueError(f"new_group(members_only=True) is called by the members alone; rank "
                          f"{comm.rank} of {comm.name} is not in {members}")
-    comm._check_open()
+    comm._caller.check_open()
     return (_members_only if members_only else _with_everyone)(comm, members)
 
 
@@ -70,7 +70,7 @@ def _with_everyone(comm, members):
                                  f"for {members}, ranks {differing} asked for other members")
     if comm.rank not in members:
         return None
-    return comm._group(members, digest or 1, f"group{members}")
+    return _made(comm, members, digest or 1, f"group{members}")
 
 
 def _members_only(comm, members):
@@ -78,9 +78,16 @@ def _members_only(comm, members):
     index = made[tuple(members)]
     made[tuple(members)] += 1
     digest = zlib.crc32(f"{comm.comm_id}/members/{members}/{index}".encode())
-    group = comm._group(members, digest or 1, f"group{members}#{index}")
+    group = _made(comm, members, digest or 1, f"group{members}#{index}")
     # every member made it: its first collective would otherwise be the first to know. A
     # failed try keeps its number (its name's first collective is retired here, so a retry
     # under the same name could never hear from the others): members retry alike or not at all
     group.all_gather(np.empty(len(members), np.int64), np.array([digest], np.int64))
     return group
+
+
+def _made(comm, members, comm_id, name):
+    """The communicator over ``members`` (group ranks of ``comm``), on one of them."""
+    return type(comm)(comm._engine, ranks=[comm.ranks[r] for r in members], rank=members.index(comm.rank),
+                      comm_id=comm_id, name=name, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
+                      is_world=False, device=comm._device)

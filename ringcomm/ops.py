@@ -38,6 +38,9 @@ _UFUNC = {op: UFUNCS[op.value] for op in ReduceOp}  # by member: `.value` is a s
 _PARSED = {}  # (op as given, dtype) -> ReduceOp: parsed once, looked up on every call
 
 
+Op = str | ReduceOp  # what a verb's ``op`` takes: a name ("sum", "max", ...) or a member
+
+
 def parse_op(op, dtype):
     """Return the :class:`ReduceOp` for ``op`` (a name or member), checked against ``dtype``.
 

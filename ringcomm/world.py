@@ -1,4 +1,6 @@
 """Joining the job: :func:`init` builds the world communicator."""
+from __future__ import annotations
+
 import atexit
 import dataclasses
 import json
@@ -14,8 +16,9 @@ from .errors import CommError
 from .transport.local import LocalHub
 
 
-def init(timeout=None, *, rank=None, world_size=None, master_addr=None, master_port=None,
-         segment_bytes=None, encrypt=None, device=None):
+def init(timeout: float | None = None, *, rank: int | None = None, world_size: int | None = None,
+         master_addr: str | None = None, master_port: int | None = None, segment_bytes: int | None = None,
+         encrypt: bool | None = None, device: str | None = None) -> Communicator:
     """Join the job and return the world :class:`~ringcomm.comm.Communicator`.
 
     Reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,

@@ -72,3 +72,28 @@ def test_no_module_imports_a_layer_above_its_own(layer):
                    for target in targets
                    if any(target == up or target.startswith(up + ".") for up in ABOVE[layer]))
     assert not wrong, f"imports that point up from {layer}: {wrong}"
+
+
+def test_the_public_api_is_annotated_as_py_typed_promises():
+    import inspect
+    import typing
+
+    import ringcomm
+    from ringcomm.comm import Communicator
+    from ringcomm.engine import Work
+    assert (PACKAGE / "py.typed").exists()
+    public = [ringcomm.init]
+    for cls in (Communicator, Work):
+        for name, member in vars(cls).items():
+            if name.startswith("_") and name not in ("__enter__", "__exit__"):
+                continue
+            member = member.fget if isinstance(member, property) else member
+            if callable(member):
+                public.append(member)
+    assert len(public) > 25
+    bare = []
+    for fn in public:
+        hints = typing.get_type_hints(fn)  # every annotation resolves
+        params = [p for p in inspect.signature(fn).parameters if p != "self"]
+        bare += [f"{fn.__qualname__}({p})" for p in params + ["return"] if p not in hints]
+    assert not bare, f"not annotated: {bare}"
