@@ -1,7 +1,8 @@
 """Start a group of ringcomm workers on this host (torchrun-compatible).
 
 The parts: :mod:`.config` (the command line and each worker's environment),
-:mod:`.workers` (starting, watching, blaming, stopping and restarting the workers) and
+:mod:`.workers` (starting, watching, blaming, stopping and restarting the workers),
+:mod:`.processes` (one worker's processes: its session, output relay and signals) and
 :mod:`.rounds` (how the launchers of several hosts agree on each restart).
 
 Usage::

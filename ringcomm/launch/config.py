@@ -1,6 +1,6 @@
 """What ``python -m ringcomm.launch`` starts: its command line (torchrun's flags, parsed into a
 :class:`LaunchConfig`) and the environment of each worker. Also the launcher's own output
-(``log``), which the supervision in :mod:`.workers` shares.
+(``log``), which the supervision in :mod:`.workers` and :mod:`.processes` shares.
 
 >>> cfg = parse_args(["--nproc", "2", "-m", "mypkg.train", "--lr", "0.1"], environ={})
 >>> worker_env(cfg, local_rank=1)["RANK"]                    # '1'

@@ -1,7 +1,8 @@
 """The launcher's supervision: start every worker of a group, relay its output with a rank
 prefix, notice the first failure, name the rank that caused it (from the workers' error
 reports), stop the rest, and restart the group while restarts remain. The behaviour a user
-sees is described in :mod:`ringcomm.launch`.
+sees is described in :mod:`ringcomm.launch`; how one worker's processes are started,
+signalled and looked at is :mod:`.processes`.
 
 >>> sys.exit(main(["--nproc", "2", "train.py"]))
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import dataclasses
 import itertools
 import json
@@ -19,96 +19,20 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 
 from .. import env, rundir
 from ..errors import CommError
 from . import rounds
-from .config import (
-    PROG, LaunchConfig, _stdout_lock, _stderr_lock,
-    _write, free_port, log, parse_args, worker_env)
+from .config import LaunchConfig, free_port, log, parse_args, worker_env
+from .processes import Worker, describe_exit, spawn
 
 GRACE_PERIOD_S = 3.0
 REPORT_WAIT_S = 1.5  # after a first failure, how long to wait for the others' reports
 POLL_INTERVAL_S = 0.05
 EXIT_FAILURE = 1
 STOPPED = -1  # WorkerGroup.run: stopped because another node decided the round
-
-
-def _describe(returncode: int) -> str:
-    if returncode >= 0:
-        return f"exit code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = "unknown"
-    return f"killed by signal {-returncode} ({name})"
-
-
-def _has_live_member(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member that is not a zombie.
-
-    Orphaned grandchildren stay zombies until init reaps them (slowly in some
-    containers, never if we are PID 1); they must not hold up the grace wait.
-    Without a readable /proc we assume the group is alive.
-    """
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return True
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
-            return True
-    return False
-
-
-def _pump(pipe, stream_name: str, prefix: bytes) -> None:
-    """Copy one worker pipe line by line to our stdout/stderr, with a prefix."""
-    lock = _stdout_lock if stream_name == "stdout" else _stderr_lock
-    try:
-        for line in iter(pipe.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            _write(getattr(sys, stream_name), lock, prefix + line)
-    finally:
-        pipe.close()
-
-
-# Linux: prctl(PR_SET_PDEATHSIG) makes the kernel kill a worker when its launcher dies, even
-# by SIGKILL, so workers never outlive it. Looked up here, in the parent, so that the forked
-# child does as little as it can before exec (one foreign call, no import). The signal
-# follows the thread that forks: run() spawns from the thread that calls it.
-PR_SET_PDEATHSIG = 1
-try:
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):
-    _PRCTL = None
-
-
-def _die_with(parent):
-    def preexec():
-        if _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-            os.write(2, b"ringcomm.launch: prctl(PR_SET_PDEATHSIG) failed: this worker may outlive the launcher\n")
-        if os.getppid() != parent:  # the launcher died before the signal was armed
-            os._exit(1)
-    return preexec
-
-
-@dataclass
-class Worker:
-    local_rank: int
-    rank: int
-    proc: subprocess.Popen
-    readers: list[threading.Thread] = field(default_factory=list)
 
 
 class WorkerGroup:
@@ -126,21 +50,13 @@ class WorkerGroup:
             rundir.path()
 
     def spawn_one(self, local_rank: int) -> None:
-        cfg, pipe = self.cfg, (subprocess.PIPE if self.cfg.prefix else None)
+        cfg = self.cfg
         env = worker_env(cfg, local_rank, self.restart_count)
         env["RINGCOMM_ERROR_FILE"] = os.path.join(self.reports, f"rank-{env['RANK']}.json")
-        proc = subprocess.Popen(cfg.command(), env=env, stdout=pipe, stderr=pipe,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with(os.getpid()) if _PRCTL is not None else None)
-        worker = Worker(local_rank, int(env["RANK"]), proc)
-        self.workers.append(worker)
+        worker = Worker(local_rank, int(env["RANK"]), spawn(cfg.command(), env, capture=cfg.prefix))
+        self.workers.append(worker)  # before its readers start: kill() must reap it whatever follows
         if cfg.prefix:
-            tag = f"[rank {worker.rank}]: ".encode()
-            for pipe_obj, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-                thread = threading.Thread(target=_pump, args=(pipe_obj, name, tag),
-                                          name=f"{PROG}-{worker.rank}-{name}", daemon=True)
-                thread.start()
-                worker.readers.append(thread)
+            worker.relay_output()
 
     def run(self, interrupted, stop_requested=lambda: False) -> int:
         """Spawn and watch until all succeed (0), one fails (1), a signal arrives (128 +
@@ -199,7 +115,7 @@ class WorkerGroup:
             victim = report and report.get("blames") in blamed and report.get("blames") != w.rank
             log(f"rank {w.rank} (local rank {w.local_rank}, pid {w.proc.pid}) "
                 f"{'exited because of rank ' + str(report['blames']) if victim else 'failed'}: "
-                f"{_describe(rc)}{why}")
+                f"{describe_exit(rc)}{why}")
         by_rank = {w.rank: w for w in self.workers}
         for culprit, namers in sorted(blamed.items()):
             worker = by_rank.get(culprit)
@@ -216,36 +132,24 @@ class WorkerGroup:
                 log(f"rank {culprit}, on another node, failed its peers here ({named})")
             else:
                 log(f"rank {culprit} was lost by its peers ({named}): "
-                    f"{_describe(worker.proc.returncode)}")
+                    f"{describe_exit(worker.proc.returncode)}")
             if running:
-                self._signal_group(worker, signal.SIGKILL)
+                worker.signal_group(signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     worker.proc.wait(timeout=2)
-
-    def _group_alive(self, worker: Worker) -> bool:
-        worker.proc.poll()  # reap the leader if it exited, so it does not count
-        try:
-            os.killpg(worker.proc.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return _has_live_member(worker.proc.pid)
-
-    def _signal_group(self, worker: Worker, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(worker.proc.pid, signum)
 
     def stop(self, grace: float = GRACE_PERIOD_S) -> None:
         """SIGTERM every live process group, SIGKILL after ``grace``, reap all."""
         running = [w for w in self.workers if w.proc.poll() is None]
-        targets = [w for w in self.workers if self._group_alive(w)]
+        targets = [w for w in self.workers if w.group_alive()]
         if running:
             log(f"stopping rank(s) {', '.join(str(w.rank) for w in running)} "
                 f"(SIGTERM, SIGKILL after {grace:g}s)")
         for w in targets:
-            self._signal_group(w, signal.SIGTERM)
+            w.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while targets and time.monotonic() < deadline:
-            targets = [w for w in targets if self._group_alive(w)]
+            targets = [w for w in targets if w.group_alive()]
             if targets:
                 time.sleep(POLL_INTERVAL_S)
         if targets:
@@ -256,8 +160,8 @@ class WorkerGroup:
     def kill(self) -> None:
         """SIGKILL every worker process group and reap; safe to call repeatedly."""
         for w in self.workers:
-            if self._group_alive(w):
-                self._signal_group(w, signal.SIGKILL)
+            if w.group_alive():
+                w.signal_group(signal.SIGKILL)
         for w in self.workers:
             try:
                 w.proc.wait(timeout=5)
