@@ -52,7 +52,7 @@ class Transport(ABC):
         self.revoked = self.mailbox.revoked
         self.unannounced = {}  # comm id -> (members, why): a revocation not yet told to them
         # the first error a call on this rank failed with, set by the layers above: a rank
-        # that closes after a failure says whom that error blamed (see .zmq_transport)
+        # that closes after a failure says whom that error blamed (see .connections)
         self.first_failure = None
         self.stopping = None  # why every wait now fails: the owner is closing (see stop)
         self._unacked = collections.defaultdict(int)  # (peer, comm, tag) -> bytes in flight

@@ -26,10 +26,10 @@ Words used here:
   (:meth:`.PeerChannels.forget_bells`, see :mod:`.liveness`), which also watches the peer's
   process itself.
 
-Waiting: spin up to ``spin`` seconds (see :func:`default_spin`: long when every rank has a
-core, none when ranks outnumber cores, where the waiter yields its core instead so that two
-ranks on one core do not burn each other's time slices), then sleep on the bell in slices of
-at most ``SLEEP_SLICE`` seconds, calling ``check()`` between slices, so a peer that died
+Waiting: spin up to ``spin`` seconds (see :mod:`.spin`: long when every rank has a core, none
+when ranks outnumber cores, where the waiter yields its core instead so that two ranks on
+one core do not burn each other's time slices), then sleep on the bell in slices of at most
+``SLEEP_SLICE`` seconds, calling ``check()`` between slices, so a peer that died
 (``check`` raises) or a passed deadline ends the wait within one slice. A sender waiting for
 room (the receiver is a whole ring behind) naps in short slices instead: the transport
 never waits for room (it sends another way), so no bell runs that direction.
@@ -40,8 +40,9 @@ in order, which is all this needs. Weaker models (ARM) would need a release fenc
 ``head``/``tail`` stores and an acquire fence after their loads, which Python cannot issue:
 on such machines this channel is not used. The sleeper flag is a store followed by a load
 on each side (a Dekker pattern: receiver stores the flag then loads ``head``, sender stores
-``head`` then loads the flag), which x86-64 may reorder, so both sides put a :func:`fence`
-between them; were a bell missed anyway, it would cost one sleep slice, never a hang.
+``head`` then loads the flag), which x86-64 may reorder, so both sides put a
+:func:`~.fence.fence` between them; were a bell missed anyway, it would cost one sleep
+slice, never a hang.
 
 >>> a, b = Channel.pair(1 << 16)          # or Channel.create(path) / Channel.open(path)
 >>> a.send(b"hello"); bytes(b.recv(check=lambda: None))
@@ -60,18 +61,15 @@ import time
 import numpy as np
 
 from ..errors import CommTimeout, FrameError
+from .fence import fence
+from .spin import SPIN, spin_until
+from .spin import default_spin as default_spin  # also here: who makes a channel sizes its spin
 
 HEADER = 256            # bytes before the ring: four 64-byte lines
 SKIP = (1 << 64) - 1    # a record length that says "the rest of the ring is empty, go to 0"
 SLEEP_SLICE = 0.05      # the longest one sleep on the bell lasts before check() runs again
 ROOM_NAP = 100e-6       # a sender waiting for room sleeps this long between looks
 CAPACITY = 1 << 20      # ring bytes of a transport's channel to one peer
-YIELD_BUDGET = 200e-6   # how long a waiter on an oversubscribed host yields before sleeping
-# how long a waiter with a core of its own spins before sleeping: long enough to cover the
-# skew between two ranks entering one small collective (bench/peers.py, N = 2: 4 KiB 37-45 µs
-# and 1.0-1.1x spread between rounds with 300 µs, 39-85 µs and 2-6x with 50 µs), short enough
-# that a rank waiting for a slow peer soon leaves its core and the GIL to others
-SPIN = 300e-6
 # a record's length word (written before the record is published: no reader races it)
 _LEN = struct.Struct("@Q")
 # head, tail and the sleeper flag are read and written as ctypes words: one aligned load or
@@ -82,59 +80,9 @@ _RING = b"\x01"
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
-def _fence_call():
-    """The cheapest full memory barrier ctypes can reach: one locked add through libatomic
-    (about 0.2 µs), else a spin lock's lock and unlock (two calls, about 0.4 µs)."""
-    word = ctypes.c_uint32(0)
-    ref = ctypes.byref(word)
-    try:
-        add = ctypes.CDLL("libatomic.so.1").__atomic_fetch_add_4
-    except (OSError, AttributeError):
-        libc = ctypes.CDLL(None)
-        libc.pthread_spin_init(ref, 0)
-        lock, unlock = libc.pthread_spin_lock, libc.pthread_spin_unlock
-
-        def fence():
-            lock(ref)
-            unlock(ref)
-    else:
-        add.restype = ctypes.c_uint32
-
-        def fence():
-            add(ref, 0, 5)  # 5: __ATOMIC_SEQ_CST; a lock-prefixed add on x86-64
-    fence.__doc__ = ("A full memory barrier: a store before it is visible before any load "
-                     "after it.")
-    return word, fence
-
-
-_fence_word, fence = _fence_call()
-
-
 def supported():
     """Whether this machine runs the channel: Linux on x86-64's memory order."""
     return os.name == "posix" and platform.system() == "Linux" and platform.machine() == "x86_64"
-
-
-def default_spin(ranks_on_host):
-    """How long a waiter spins before sleeping: ``SPIN`` while every rank has a core of its
-    own, none when ranks outnumber the cores this process may run on (then it yields)."""
-    cores = len(os.sched_getaffinity(0))
-    return SPIN if ranks_on_host <= cores else 0.0
-
-
-def spin_until(ready, spin):
-    """Whether ``ready()`` came true within ``spin`` seconds of looking (with ``spin`` 0:
-    within ``YIELD_BUDGET`` seconds, giving the core away between looks, since the rank
-    waited for may be the one that needs it)."""
-    budget, pause = (spin, None) if spin else (YIELD_BUDGET, os.sched_yield)
-    stop = time.perf_counter() + budget
-    while True:
-        if ready():
-            return True
-        if time.perf_counter() >= stop:
-            return False
-        if pause is not None:
-            pause()
 
 
 def hush(fd):

@@ -12,7 +12,8 @@ import contextlib
 import os
 
 from ..errors import FrameError
-from .channel import CAPACITY, Channel, default_spin, spin_until
+from .channel import CAPACITY, Channel
+from .spin import default_spin, spin_until
 
 
 class PeerChannels:

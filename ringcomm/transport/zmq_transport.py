@@ -2,24 +2,10 @@
 
 Each rank binds one PULL socket (``ipc://`` for peers on its host, ``tcp://`` for the rest)
 and connects one PUSH socket to every peer at start-up, so a peer that dies is noticed even
-when this rank was not talking to it: a monitor on each PUSH socket reports the
-disconnection, and unless that peer said BYE first, every wait raises :class:`PeerLost`
-naming it within ``grace`` seconds. A disconnect is not proof of death, nor its absence proof
-of life: a child forked from a rank holds copies of its connections, so a SIGKILLed rank with
-a child drops none. Peers on this host are therefore also watched as processes
-(:mod:`.liveness`): a pidfd per peer sits in the same poll as the sockets (or, where none can
-be opened, ``/proc`` is read every ``liveness.PROC_LOOK_S`` at most), and a peer whose
-process ended counts as disconnected from that moment, with the same grace. Peers on other
-hosts have their disconnects and, at a deadline, the liveness check (PING/PONG, see
-:mod:`.base`). A child forked from this rank cannot use the transport (every call raises
-:class:`CommError`) and closes its copies of the bells and pidfds at once.
-
-Goodbyes say why. A rank that closes after a call of its own failed puts in its BYE what that
-failure blamed (``first_failure``: the first error a call failed with here, which
-:mod:`ringcomm.collective` keeps), so that a peer waiting for it blames the rank that failed
-first, not the survivor that closed: "rank 1 closed after losing rank 2" (the encoding is
-:mod:`.goodbye`'s). A receiver waiting for (or sending to) a rank whose BYE blames another
-raises :class:`PeerLost` naming the blamed rank.
+when this rank was not talking to it. How a lost peer is told from one that closed (its
+socket's monitor, its process, its goodbye and whom that goodbye blames) is
+:mod:`.connections`'s. A child forked from this rank cannot use the transport (every call
+raises :class:`CommError`) and closes its copies of the bells and pidfds at once.
 
 Sends never block (no high-water mark). A message under ``ONE_FRAME_BYTES`` is one frame
 (header, then payload); a larger one two frames, so that the payload can go out zero-copy.
@@ -45,19 +31,18 @@ thread-safe); ``ringcomm.engine`` makes that the communication thread.
 import collections
 import contextlib
 import logging
-import math
 import os
 import select
 import threading
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame, goodbye, liveness
 from .base import Transport
 from .channel import largest_message, supported as channel_supported
+from .connections import Connections
 from .peer_channels import PeerChannels
 from .frame import Kind
 from .credit import window_from_env
@@ -83,17 +68,12 @@ CLOSE_WAIT = 1.5
 MONITOR_INTERVAL = 0.005  # how long zero-timeout pumps may skip polling the monitor sockets (s)
 _POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` builds an enum member each time
 _KIND_AT = 5  # the kind's byte in a packed header (frame.HEADER)
-_MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
-                   zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                   zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 # what a child forked from a rank may not call (see ZmqTransport._forked_child)
 _PARENT_ONLY = ("_send", "_post", "_send_slot", "take_slot", "_pump", "_glance", "_drain",
                 "_drain_pull", "_drain_channels", "flush", "open_lanes", "await_connections")
 
 
-class ZmqTransport(SameHost, Transport):
+class ZmqTransport(Connections, SameHost, Transport):
     """Messages between ranks over ZeroMQ.
 
     ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r,
@@ -138,63 +118,18 @@ class ZmqTransport(SameHost, Transport):
             min(lanes.channel_max_bytes, largest_message(self._channels.capacity) - frame.HEADER.size + 1)
         self._limits = ((inline_below, max(SHM_MIN_BYTES, inline_below)),
                         (min(inline_below, SHM_MIN_BYTES), SHM_MIN_BYTES))
-        self._push, self._monitor_peer = {}, {}
-        for peer, endpoint in enumerate(endpoints):
-            if peer == rank:
-                continue
-            sock = context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            # one connection per peer, never remade: a reconnect would replay the one-time
-            # proof (refused by design), and a dropped connection means a lost peer
-            sock.setsockopt(zmq.RECONNECT_IVL, -1)
-            if guard is not None:
-                guard.client(sock, rank, socket_ids[peer])
-            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
-            sock.connect(endpoint)
-            self._push[peer] = sock
-            self._monitor_peer[monitor] = peer
-            self._poll_all.append((monitor, zmq.POLLIN))
+        self._connect(context, endpoints, socket_ids, guard, processes)  # (see .connections)
         self._in_flight = collections.deque()  # MessageTrackers of zero-copy sends
-        self._said_bye = set()
-        self._gone_since = {}  # peer -> time its connection dropped (or its process ended)
         self._monitors_seen = 0.0  # when the monitor sockets were last polled
-        self._ready = set()  # peers whose connection completed the security handshake
-        self._refused = {}   # peer -> handshake failure event
         self.rejected = 0
-        self._bye_why = {}   # peer -> what its goodbye said went wrong (see goodbye.reason)
-        # same-host peers watched as processes: a pidfd each in the poll, else /proc
-        self._watch = liveness.Watch(processes or {})
-        self._exited = set()  # peers whose process was seen to end
-        self._next_look = 0.0  # when /proc may be read again (Watch.look)
-        self._poll_all += [(fd, zmq.POLLIN) for fd in self._watch.fds]
         # another thread's way to cut a wait short (see wake): a pipe in the poll
         self._wake_in, self._wake_out = os.pipe()
         os.set_blocking(self._wake_in, False)
         os.set_blocking(self._wake_out, False)
         self._wake_lock = threading.Lock()  # a wake() racing close() never writes a closed fd
         self._poll_all.append((self._wake_in, zmq.POLLIN))
-        for peer in self._watch.gone:
-            self._on_exited(peer)
         self._owner = os.getpid()
         liveness.guard_fork(self)
-
-    def await_connections(self, deadline):
-        """Block until every peer connection completed its handshake (secret proven)."""
-        while len(self._ready) < len(self._push):
-            if self._refused:
-                peer = next(iter(self._refused))
-                raise CommError(f"rank {self.rank}: rank {peer} refused the connection "
-                                f"(handshake failed: the ranks do not share the job secret "
-                                f"RINGCOMM_SECRET, or disagree on RINGCOMM_ENCRYPT)")
-            ended = sorted(self._exited - self._ready)
-            if ended:
-                raise PeerLost(f"rank {self.rank}: rank {ended[0]} (pid {self._watch.pids[ended[0]]}) "
-                               f"ended before its connection was made", rank=ended[0])
-            if time.monotonic() > deadline:
-                missing = sorted(set(self._push) - self._ready)
-                raise CommTimeout(f"rank {self.rank}: no secure connection to ranks {missing}")
-            self._pump(0.05)
 
     # -- sending -------------------------------------------------------------------------
     def _send(self, dst, key, sig, payload, nbytes, copy):
@@ -212,15 +147,6 @@ class ZmqTransport(SameHost, Transport):
                 if notice is not None:
                     return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
         return self._post_zmq(dst, header, payload, nbytes, copy)  # (the channel was full or absent)
-
-    def _check_open_to(self, dst):
-        if dst in self._said_bye:
-            words, blamed = self._how_closed(dst)
-            raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: it {words}", rank=blamed)
-
-    def _how_closed(self, peer):
-        """``peer``'s goodbye in words, and the rank to blame (see .goodbye)."""
-        return goodbye.how_closed(self._bye_why.get(peer), peer, self.rank)
 
     def _post(self, dst, header, payload, copy=False):
         self._check_open_to(dst)
@@ -384,54 +310,10 @@ class ZmqTransport(SameHost, Transport):
                 continue
             self._file(header, payload)
 
-    def _on_monitor(self, monitor):
-        event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
-        peer = self._monitor_peer[monitor]
-        if event == zmq.EVENT_DISCONNECTED:
-            self._gone_since.setdefault(peer, time.monotonic())
-        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            if peer not in self._exited:
-                self._gone_since.pop(peer, None)
-            self._ready.add(peer)
-        elif event in _HANDSHAKE_FAILED:
-            self._refused[peer] = event
-
-    def _check_peers(self, what, src=None):
-        if src in self._said_bye:
-            words, blamed = self._how_closed(src)
-            raise PeerLost(f"{what}: rank {src} {words}{',' if blamed != src else ''} before "
-                           f"sending what rank {self.rank} waits for", rank=blamed)
-        now = time.monotonic()
-        if now >= self._next_look:  # /proc, for the peers no pidfd watches (none: never again)
-            self._next_look = now + liveness.PROC_LOOK_S if self._watch.polled else math.inf
-            for peer in self._watch.look():
-                self._on_exited(peer)
-        if not self._gone_since:
-            return
-        overdue = [p for p, t in self._gone_since.items()
-                   if p not in self._said_bye and now - t > self.grace]
-        if overdue:
-            self._drain()  # a BYE may still sit unread behind the disconnection
-            overdue = [p for p in overdue if p not in self._said_bye]
-        if overdue:
-            peer = overdue[0]
-            if peer in self._exited:
-                raise PeerLost(f"{what}: rank {self.rank} lost rank {peer} (its process, pid "
-                               f"{self._watch.pids[peer]}, ended without a goodbye: it died or "
-                               f"was killed)", rank=peer)
-            raise PeerLost(f"{what}: rank {self.rank} lost rank {peer} (its connection dropped "
-                           f"without a goodbye: the process died or was killed, or the network "
-                           f"failed)", rank=peer)
-
-    def _on_exited(self, peer):
-        """``peer``'s process ended: from now on it counts as disconnected (see .liveness)."""
-        self._exited.add(peer)
-        self._gone_since.setdefault(peer, time.monotonic())
-
     # -- closing ---------------------------------------------------------------------------
     def close(self):
         """Say BYE to every peer (with what this rank's first failure blamed, if one did; see
-        the module docstring), wait (bounded) until each said BYE or is gone, then close.
+        :mod:`.connections`), wait (bounded) until each said BYE or is gone, then close.
         After :meth:`stop` it neither flushes nor waits for BYEs: the owner asked not to wait."""
         # stopped: only the BYE itself is still delivered (the sockets' linger)
         deadline = time.monotonic() + (0 if self.stopping is not None else self.close_wait)
@@ -457,29 +339,10 @@ class ZmqTransport(SameHost, Transport):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
-    def _say_goodbye(self, deadline):
-        """BYE to every peer, then wait until each said BYE too or is gone, or ``deadline``."""
-        bye = frame.pack(Kind.BYE, self.rank, frame.Key(0, frame.COLLECTIVE, 0, 0, 0), 0,
-                         goodbye.sig_for(self.first_failure))
-        for sock in self._push.values():
-            # that peer's connection is gone: nobody to say goodbye to
-            with contextlib.suppress(zmq.Again):
-                sock.send_multipart([bye, b""], zmq.NOBLOCK)
-        while self._no_goodbye_yet() and time.monotonic() < deadline and self.stopping is None:
-            self._pump(0.05)
-
-    def _no_goodbye_yet(self):
-        return [p for p in self._push if p not in self._said_bye and p not in self._gone_since]
-
     def _close_sockets_and_fds(self):
-        """The ZeroMQ sockets (a peer still owed a goodbye gets 500 ms of linger for its BYE),
-        the wake pipe, the pidfds, the fork guard and the context."""
-        linger = 500 if self._no_goodbye_yet() else 0
-        for sock in self._push.values():
-            sock.disable_monitor()
-            sock.close(linger=linger)
-        for monitor in self._monitor_peer:
-            monitor.close(linger=0)
+        """The ZeroMQ sockets (:meth:`_hang_up`, then the PULL socket), the wake pipe, the
+        pidfds, the fork guard and the context."""
+        self._hang_up()
         self._pull.close(linger=0)
         with self._wake_lock:
             wake_fds, (self._wake_in, self._wake_out) = (self._wake_in, self._wake_out), (-1, -1)
