@@ -38,7 +38,8 @@ from ringcomm.collective import Call
 from ringcomm.link import Link, Stats
 from ringcomm.threads import ThreadGuard
 from ringcomm.transport import frame
-from ringcomm.transport.channel import Channel, fence
+from ringcomm.transport.channel import Channel
+from ringcomm.transport.fence import fence
 from ringcomm.transport.frame import Key, Kind, Space
 from ringcomm.transport.mailbox import Mailbox
 from ringcomm.units import parse_size

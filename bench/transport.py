@@ -35,7 +35,8 @@ import numpy as np
 import zmq
 
 from ringcomm.units import parse_size
-from ringcomm.transport.channel import Channel, default_spin
+from ringcomm.transport.channel import Channel
+from ringcomm.transport.spin import default_spin
 from ringcomm.transport.shm import SHM_DIR, InLanes, OutLane, lane_path, new_token
 
 SLOTS = 4

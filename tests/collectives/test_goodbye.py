@@ -6,7 +6,7 @@ them drop) and is SIGKILLed; rank 0, which watches rank 2's process, fails its r
 rank 2 and closes. Rank 1 does not watch rank 2's process (``liveness.WATCH`` off in it) and
 waits on rank 0: all it ever learns is rank 0's goodbye, and its error must name rank 2. No
 timing decides the outcome: rank 1 has no other way to hear of rank 2. Below it, the BYE's
-encoding (see ringcomm.transport.zmq_transport) on its own.
+encoding (see ringcomm.transport.goodbye and ringcomm.transport.connections) on its own.
 """
 import re
 import signal
