@@ -7,7 +7,9 @@ ZeroRedundancyOptimizer run on ringcomm's collectives unchanged.
 
 Under ``python -m ringcomm.launch``, ``torchrun`` or any ``env://`` / ``tcp://`` start; see
 :mod:`ringcomm.torch.backend` for how the ranks meet, :mod:`ringcomm.torch.process_group`
-for the verbs and :mod:`ringcomm.torch.tensors` for which tensors are lent without a copy.
+for the verbs (:mod:`~ringcomm.torch.arguments` for what their arguments become,
+:mod:`~ringcomm.torch.monitored` for monitored_barrier) and :mod:`ringcomm.torch.tensors`
+for which tensors are lent without a copy.
 Needs PyTorch (``pip install ringcomm[torch]``); the rest of ringcomm does not. Importing it
 also makes ``torch.distributed.monitored_barrier`` take ringcomm's groups (torch's own takes
 Gloo's only).

@@ -23,19 +23,14 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
-from .. import signature
-from . import sparse
-from ..errors import CommError
+from . import monitored, sparse
+from .arguments import check_pieces, one, reduce_op, rows, viewed_as
 from .tensors import check_op, lend, wire_count
 from .versions import VersionNames
-from .work import TorchWork
+from .work import AllOf, TorchWork
 
-_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "prod", ReduceOp.MIN: "min",
-        ReduceOp.MAX: "max", ReduceOp.BAND: "band", ReduceOp.BOR: "bor", ReduceOp.BXOR: "bxor"}
-MONITOR_TAG, MONITOR_TAGS = 0xFFFF_0000, 0xFFFF  # monitored_barrier's point-to-point tags
 SHUTDOWN_GRACE_S = 1.0  # destroy_process_group() waits this long for calls in flight
 CHAINED_S = 0.5  # a shutdown this soon after another shares its grace (see _Teardown)
 
@@ -62,43 +57,6 @@ class _Teardown:
 
 
 _teardown = _Teardown()
-
-
-def _reduce_op(reduce_op):
-    """ringcomm's op name and the PREMUL_SUM factor (None for the others)."""
-    kind = getattr(reduce_op, "op", reduce_op)
-    if kind == ReduceOp.PREMUL_SUM:
-        # torch 2.13 shows the factor as an attribute; 2.11 and 2.12 only in the op's state
-        factor = reduce_op.factor if hasattr(reduce_op, "factor") else reduce_op.__getstate__()[1]
-        return "sum", factor.item() if isinstance(factor, torch.Tensor) else float(factor)
-    if kind not in _OPS:
-        raise ValueError(f"ringcomm has no reduce op {kind}")
-    return _OPS[kind], None
-
-
-def _viewed_as(loans):
-    """Sign the call with what its tensors' wire elements stand for (one dtype per call)."""
-    views = {loan.view for loan in loans if loan.tensors}
-    if len(views) > 1:
-        raise ValueError(f"ringcomm: tensors of several dtypes in one call: "
-                         f"{sorted({str(t.dtype) for loan in loans for t in loan.tensors})}")
-    return signature.viewed_as(views.pop() if views else "")
-
-
-def _one(tensors, verb):
-    if len(tensors) != 1:
-        raise ValueError(f"ringcomm {verb} takes one tensor per call, got {len(tensors)}")
-    return tensors[0]
-
-
-def _rows(tensor, splits, n, name):
-    """Element counts of ``splits`` (rows of dim 0; empty: equal), or None for equal splits."""
-    if not splits:
-        return None
-    if len(splits) != n:
-        raise ValueError(f"ringcomm all_to_all_single: {name} has {len(splits)} entries for {n} ranks")
-    per_row = wire_count(tensor) // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 0
-    return [int(s) * per_row for s in splits]
 
 
 class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
@@ -142,7 +100,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         """Start ``call(async_op)``, signed with the loans' view; a TorchWork over what it
         returns."""
         async_op = opts is None or getattr(opts, "asyncOp", True)
-        with _viewed_as(loans):
+        with viewed_as(loans):
             if async_op or self._gpu:
                 # on a GPU even a synchronous call goes through TorchWork's wait, which blocks
                 # until the device work is done before the copies back run on torch's stream
@@ -154,7 +112,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         return TorchWork(None, loans, result, after)
 
     def _reduction(self, tensors, opts):
-        op, factor = _reduce_op(opts.reduceOp)
+        op, factor = reduce_op(opts.reduceOp)
         check_op(tensors, op, factor)
         return op, factor
 
@@ -162,7 +120,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):  # DDP's Join hook passes a bare tensor
             tensors = [tensors]
-        tensor, opts = _one(tensors, "allreduce"), opts or dist.AllreduceOptions()
+        tensor, opts = one(tensors, "allreduce"), opts or dist.AllreduceOptions()
         if tensor.is_sparse:  # an nn.Embedding(sparse=True)'s gradient under DDP, for one
             return self._sparse_all_reduce(tensor, opts, tensors)
         return self._all_reduce([tensor], opts, tensors)
@@ -171,7 +129,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         """The sum of sparse COO tensors (see ringcomm.torch.sparse): the headers' all-gather
         runs here; the indices' and values' all-gathers as the call asks, summed into
         ``tensor`` once both are in."""
-        op, factor = _reduce_op(opts.reduceOp)
+        op, factor = reduce_op(opts.reduceOp)
         if op != "sum" or factor is not None:
             raise ValueError(f"ringcomm all-reduces sparse tensors with SUM only, not {opts.reduceOp}")
         if self._gpu:  # the same on every rank of the group: refused before any message
@@ -192,7 +150,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
             return TorchWork(None, [], result, add_up)
         works = [self._all_gather([every_index], indices, None, None),
                  self._all_gather([every_value], values, None, None)]
-        work = TorchWork(_All(works), [], result, add_up)
+        work = TorchWork(AllOf(works), [], result, add_up)
         if not getattr(opts, "asyncOp", True):
             work.wait()
         return work
@@ -211,7 +169,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
-        tensor = _one(tensors, "reduce")
+        tensor = one(tensors, "reduce")
         op, factor = self._reduction([tensor], opts)
         loan = self._lend([tensor], reducing=True)
         root, target, after = opts.rootRank, loan.array, None
@@ -224,8 +182,8 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
                            lambda a: self.comm.reduce(target, root, op, async_op=a), after)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        out = _one(output_tensors, "reduce_scatter")
-        pieces = _one(input_tensors, "reduce_scatter")
+        out = one(output_tensors, "reduce_scatter")
+        pieces = one(input_tensors, "reduce_scatter")
         self._check_pieces(pieces, out, "reduce_scatter", "input")
         return self._reduce_scatter(out, pieces, opts, output_tensors)
 
@@ -247,14 +205,14 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
     # -- data movement ------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
-        loan = self._lend([_one(tensors, "broadcast")])
+        loan = self._lend([one(tensors, "broadcast")])
         root = opts.rootRank
         return self._start(opts, [loan], tensors,
                            lambda a: self.comm.broadcast(loan.array, root, async_op=a))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        outs = _one(output_tensors, "allgather")
-        x = _one(input_tensors, "allgather")
+        outs = one(output_tensors, "allgather")
+        x = one(input_tensors, "allgather")
         self._check_pieces(outs, x, "allgather", "output")
         return self._all_gather(outs, x, opts, output_tensors)
 
@@ -287,14 +245,14 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
-        x = self._lend([_one(input_tensors, "gather")], output=False)
+        x = self._lend([one(input_tensors, "gather")], output=False)
         ys = self._root_pieces(opts.rootRank, output_tensors, input_tensors[0], "gather", "output", copy_in=False)
         return self._start(opts, [x, *([ys] if ys else [])], output_tensors,
                            lambda a: self.comm.gather(ys and ys.array, x.array, opts.rootRank, async_op=a))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
-        y = self._lend([_one(output_tensors, "scatter")], copy_in=False)
+        y = self._lend([one(output_tensors, "scatter")], copy_in=False)
         xs = self._root_pieces(opts.rootRank, input_tensors, output_tensors[0], "scatter", "input", output=False)
         return self._start(opts, [y, *([xs] if xs else [])], output_tensors,
                            lambda a: self.comm.scatter(y.array, xs and xs.array, opts.rootRank, async_op=a))
@@ -304,7 +262,7 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         ``like`` and lent as one buffer; ``None`` on every other rank."""
         if self.comm.rank != root:
             return None
-        pieces = _one(tensors, what)
+        pieces = one(tensors, what)
         self._check_pieces(pieces, like, what, side)
         return self._lend(pieces, **lend)
 
@@ -326,8 +284,8 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts or dist.AllToAllOptions()
         n = self.comm.world_size
-        outs = _rows(output, output_split_sizes, n, "output_split_sizes")
-        ins = _rows(input, input_split_sizes, n, "input_split_sizes")
+        outs = rows(output, output_split_sizes, n, "output_split_sizes")
+        ins = rows(input, input_split_sizes, n, "input_split_sizes")
         for tensor, splits, name in ((input, ins, "input"), (output, outs, "output")):
             if splits is None and tensor.dim() and tensor.shape[0] % n:
                 raise ValueError(f"ringcomm all_to_all_single: the {name}'s first dimension "
@@ -345,66 +303,20 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
         return self._start(opts, [], [], lambda a: self.comm.barrier(async_op=a))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        """A barrier that names the ranks that did not come: every rank reports to group rank
-        0, which waits up to ``timeout`` for them and then sends each rank that came its
-        verdict. Raises RuntimeError on every rank that came, naming the missing ranks (all
-        with ``wait_all_ranks``, else the first), in Gloo's words (on rank 0 "Rank 0 timed out
-        in monitoredBarrier after 2 s on world: Rank 1 failed to pass monitoredBarrier"; elsewhere "Rank 2 successfully reached monitoredBarrier, but
-        received errors while waiting for send/recv from rank 0: ..."). Each call has a tag
-        of its own (ranks count their calls alike), so a rank late for one failed call meets
-        only that call. ``torch.distributed.monitored_barrier`` reaches it (see
-        ringcomm.torch)."""
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else \
-            (self.comm.timeout if timeout is None else float(timeout))
-        if not 0 <= seconds < float("inf"):  # refused on every rank alike, before any message
-            raise ValueError(f"monitored_barrier: the timeout must be a finite number of seconds "
-                             f">= 0, got {timeout!r}")
-        # no wait of the group outlasts its timeout, and the other ranks' wait for the verdict
-        # (their receive's deadline is the group's timeout) must outlast rank 0's
-        seconds = min(seconds, 0.8 * self.comm.timeout)
+        """A barrier that names the ranks that did not come (see ringcomm.torch.monitored);
+        ``torch.distributed.monitored_barrier`` reaches it (see ringcomm.torch)."""
+        seconds = monitored.seconds_of(timeout, self.comm)  # refused before this call is counted
         self._monitored += 1
-        tag = MONITOR_TAG + self._monitored % MONITOR_TAGS
-        verdict = np.full(1, -1, np.int64)  # -1: everyone came; else the first missing rank
-        me = self.comm.rank
-        if me != 0:
-            came = (f"Rank {me} successfully reached monitoredBarrier, but received errors while "
-                    f"waiting for send/recv from rank 0 of {self.comm.name}")
-            self.comm.send(verdict, 0, tag)
-            try:  # rank 0 may wait `seconds` for another rank before it answers
-                self.comm.recv(verdict, 0, tag, async_op=True).wait(2 * seconds + 1)
-            except CommError as exc:  # timed out, or rank 0 left
-                raise RuntimeError(f"{came}: no verdict ({exc})") from None
-            if verdict[0] >= 0:
-                raise RuntimeError(f"{came}: rank {verdict[0]} failed to pass monitoredBarrier "
-                                   f"within {seconds:g} s (rank 0 says)")
-            return None
-        waits = {r: self.comm.recv(np.empty(1, np.int64), r, tag, async_op=True)
-                 for r in range(1, self.comm.world_size)}
-        missing, came, deadline = [], [], time.monotonic() + seconds
-        for r, work in waits.items():
-            try:
-                work.wait(max(0.001, deadline - time.monotonic()))
-                came.append(r)
-            except CommError:  # timed out, or the rank left
-                missing.append(r)
-        verdict[0] = missing[0] if missing else -1
-        for r in came:
-            self.comm.send(verdict, r, tag)
-        if missing:
-            which = (f"Ranks {', '.join(map(str, missing))}" if wait_all_ranks and len(missing) > 1
-                     else f"Rank {missing[0]}")
-            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {seconds:g} s on "
-                               f"{self.comm.name}: {which} failed to pass monitoredBarrier")
-        return None
+        return monitored.barrier(self.comm, self._monitored, seconds, wait_all_ranks)
 
     def send(self, tensors, dstRank, tag=0):
-        loan = self._lend([_one(tensors, "send")], output=False)
-        with _viewed_as([loan]):
+        loan = self._lend([one(tensors, "send")], output=False)
+        with viewed_as([loan]):
             return TorchWork(self.comm.send(loan.array, dstRank, tag, async_op=True), [loan], tensors)
 
     def recv(self, tensors, srcRank, tag=0):
-        loan = self._lend([_one(tensors, "recv")])
-        with _viewed_as([loan]):
+        loan = self._lend([one(tensors, "recv")])
+        with viewed_as([loan]):
             work = TorchWork(self.comm.recv(loan.array, srcRank, tag, async_op=True), [loan], tensors)
         work.source = srcRank  # what _source_rank() reports, as Gloo's named receives do
         return work
@@ -412,8 +324,8 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
     def recv_anysource(self, tensors, tag=0):
         """``dist.recv(t)`` / ``dist.irecv(t)`` without ``src``: the first message any rank
         of the group sent with ``tag``; the work's ``_source_rank()`` names its sender."""
-        loan = self._lend([_one(tensors, "recv")])
-        with _viewed_as([loan]):
+        loan = self._lend([one(tensors, "recv")])
+        with viewed_as([loan]):
             return TorchWork(self.comm.recv(loan.array, None, tag, async_op=True), [loan], tensors)
 
     # -- lifetime -------------------------------------------------------------------------
@@ -432,17 +344,12 @@ class ProcessGroupRingcomm(VersionNames, dist.ProcessGroup):
 
     # -----------------------------------------------------------------------------------------
     def _check_pieces(self, pieces, tensor, verb, side):
-        n = self.comm.world_size
-        if len(pieces) != n:
-            raise ValueError(f"ringcomm {verb}: {n} {side} tensors expected, got {len(pieces)}")
-        if any(p.numel() != tensor.numel() for p in pieces):
-            raise ValueError(f"ringcomm {verb}: every {side} tensor must have {tensor.numel()} "
-                             f"elements, got {[p.numel() for p in pieces]}")
+        check_pieces(pieces, tensor, self.comm.world_size, verb, side)
 
     def _chain(self, works, result):
         """One work over several started in order (ringcomm completes them in order)."""
         last = works[-1] if works else TorchWork(None, [], result)
-        return TorchWork(None if last._work is None else _All(works), [], result)
+        return TorchWork(None if last._work is None else AllOf(works), [], result)
 
 
 _torch_monitored_barrier = dist.distributed_c10d.monitored_barrier
@@ -464,23 +371,3 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     if timeout is not None and not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
     return pg.monitored_barrier(timeout, wait_all_ranks)
-
-
-class _All:
-    """The ringcomm-Work face of several TorchWorks: done when all are."""
-
-    def __init__(self, works):
-        self._works = works
-
-    def wait(self, timeout=None, synchronize=False):
-        for w in self._works:  # a TorchWork's wait already waits for the device work
-            w.wait(timeout)
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self._works)
-
-    def exception(self):
-        return next((w.exception() for w in self._works if w.exception() is not None), None)
-
-    def add_done_callback(self, fn):
-        self._works[-1]._work.add_done_callback(lambda _: fn(self))

@@ -245,3 +245,24 @@ class TorchWork(dist._Work):
         if not self._finished:  # the wait for it was interrupted: its outputs are not ready
             raise RuntimeError("ringcomm: the wait for this call was interrupted before it completed")
         return self._result
+
+
+class AllOf:
+    """The ringcomm-Work face of several TorchWorks (a coalesced call, a sparse all-reduce's
+    two all-gathers): done when all are, failed with the first one's error."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self, timeout=None, synchronize=False):
+        for w in self._works:  # a TorchWork's wait already waits for the device work
+            w.wait(timeout)
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def exception(self):
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
+
+    def add_done_callback(self, fn):
+        self._works[-1]._work.add_done_callback(lambda _: fn(self))

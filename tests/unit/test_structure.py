@@ -97,3 +97,10 @@ def test_the_public_api_is_annotated_as_py_typed_promises():
         params = [p for p in inspect.signature(fn).parameters if p != "self"]
         bare += [f"{fn.__qualname__}({p})" for p in params + ["return"] if p not in hints]
     assert not bare, f"not annotated: {bare}"
+
+
+def test_no_module_is_past_400_lines():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"modules past 400 lines: {long}"
+    assert len((PACKAGE / "comm.py").read_text().splitlines()) < 300, "comm.py holds the verbs only"
