@@ -7,7 +7,7 @@ replica, where activation memory falls as 1/C and ring attention's hops hide beh
 Each row is a real job (``python -m ringcomm.launch --nproc N -m ringcomm.train --model gpt
 ... --metrics-json``). Step time: median step of the slowest rank. Activations: the most a
 rank holds for backward (counted from its arrays / the formula of
-``ringcomm.train.activations``) and its traced step peak (everything the step allocated,
+``ringcomm.train.accounting.activations``) and its traced step peak (everything the step allocated,
 transients included). Bytes: the most any rank sends per step in each dimension, measured /
 formula. Ring attention: the time the cp ranks spend computing attention blocks against the
 time they are blocked on a hop (exposed communication). Writes ``gpt_layouts.json`` and

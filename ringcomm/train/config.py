@@ -15,7 +15,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field, fields
 
-from .memory import STRATEGIES
+from .accounting.memory import STRATEGIES
 
 MODELS = ("mlp", "gpt")
 # the GPT's own defaults, where the command line leaves these flags out

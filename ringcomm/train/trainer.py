@@ -1,9 +1,10 @@
 """The training loop: one loop for every model, data-parallel strategy and layout.
 
-It composes the parts, each in its own module: the layout (:mod:`.mesh`), the model's layers
-on this rank (:mod:`.models`), the data-parallel strategy over the data group
-(:mod:`.strategy`, :mod:`.zero`), the step with its pipeline schedule (:mod:`.step`),
-checkpoints (:mod:`.checkpoint`) and the report (:mod:`.report`).
+It composes the parts, each in its room: the model's layers on this rank
+(:mod:`.models.stage`), the layout (:mod:`.parallel.mesh`), the data-parallel strategy over
+the data group (:mod:`.parallel.strategy`, :mod:`.parallel.zero`), the step with its
+pipeline schedule (:mod:`.parallel.step`), checkpoints (:mod:`.checkpoint`) and the report
+(:mod:`.accounting.report`).
 
 >>> document, strategy = train(comm, TrainConfig(model="gpt", cp=2, tp=2, steps=10))
 """
@@ -13,29 +14,31 @@ import time
 
 import numpy as np
 
+from ..arrays import to_host
+from . import corpus, data as datasets
+from .accounting import report
+from .accounting.memory import ZERO_STAGES, MemoryRegistry
+from .accounting.peak import PeakWatch, allocated_by
+from .accounting.trace import Tracer
 from .checkpoint import files as checkpoint_files, state as checkpoint_state
 from .checkpoint.layout import Placement
-from ..arrays import to_host
-from .memory import MemoryRegistry
-from . import corpus, data as datasets, mesh as meshes, models, report
 from .config import validate
-from .memwatch import PeakWatch, allocated_by
-from .regions import all_reduce_arrays
-from .model import predict
-from .step import StepRunner
-from .strategy import ParameterServer, Replicated, Single
-from .trace import Tracer
-from .zero import Zero
+from .models import stage as stages
+from .models.gpt import held_out_loss
+from .models.mlp import predict
+from .parallel import mesh as meshes
+from .parallel.regions import all_reduce_arrays
+from .parallel.step import StepRunner
+from .parallel.strategy import ParameterServer, Replicated, Single, StrategyContext
+from .parallel.zero import Zero
 
-def make_strategy(cfg, group, meta, side, stage, params, registry, tracer, counted=None):
-    specs = [(s.name, s.local_shape) for s in stage.local_specs()]
-    args = (group, meta, side, specs, stage.layer_members(), params, cfg, registry, tracer, counted,
-            stage.copies())
-    if cfg.strategy.startswith("zero"):
-        zero = Zero(int(cfg.strategy[-1]), *args)
-        zero.layer_offset = stage.offset
-        return zero
-    return {"single": Single, "dp": ParameterServer, "ddp": Replicated}[cfg.strategy](*args)
+STRATEGY_CLASSES = {"single": Single, "dp": ParameterServer, "ddp": Replicated,
+                    **{name: Zero for name in ZERO_STAGES}}
+
+
+def make_strategy(ctx):
+    """The strategy ``ctx.cfg.strategy`` names, built from ``ctx`` (a :class:`StrategyContext`)."""
+    return STRATEGY_CLASSES[ctx.cfg.strategy](ctx)
 
 
 def load_data(cfg):
@@ -76,13 +79,16 @@ class Job:
         self.meta = comm.new_group(list(range(comm.world_size)))  # control traffic, not counted
         self.xp = array_module_for(comm)
         self.dtype = np.dtype(np.float16 if cfg.precision == "fp16" else np.float32)
-        self.stage = models.build(cfg, self.mesh, self.dtype)
-        self.counted = models.counted(self.stage, self.mesh)
+        self.stage = stages.build(cfg, self.mesh, self.dtype)
+        self.counted = stages.counted(self.stage, self.mesh)
         self.registry, self.tracer = MemoryRegistry(self.xp), Tracer(comm.rank, bool(cfg.trace))
-        params = self.stage.init_local(models.full_init(cfg))
-        self.strategy, self.state_traced = allocated_by(
-            make_strategy, cfg, self.mesh.group("data"), self.meta, self.mesh.group("side"), self.stage, params,
-            self.registry, self.tracer, self.counted)
+        ctx = StrategyContext(
+            group=self.mesh.group("data"), meta=self.meta, side=self.mesh.group("side"),
+            specs=[(s.name, s.local_shape) for s in self.stage.local_specs()],
+            layer_members=self.stage.layer_members(), params=self.stage.init_local(stages.full_init(cfg)),
+            cfg=cfg, registry=self.registry, tracer=self.tracer, counted=self.counted, alone=self.stage.copies(),
+            zero_stage=ZERO_STAGES.get(cfg.strategy, 0), layer_offset=self.stage.offset)
+        self.strategy, self.state_traced = allocated_by(make_strategy, ctx)
         if self.xp is not np:
             self.state_traced = -1  # device memory: not what tracemalloc sees
         self.strategy.placement = self.placement()
@@ -108,7 +114,7 @@ class Job:
         mesh = self.mesh
         return Placement({"dp": mesh.dp, "cp": mesh.cp, "pp": mesh.pp, "tp": mesh.tp},
                          [mesh.d, mesh.c, mesh.p, mesh.t], mesh.data_rank,
-                         [[s.name, list(s.shape)] for s in models.full_specs(self.cfg)],
+                         [[s.name, list(s.shape)] for s in stages.full_specs(self.cfg)],
                          [[s.name, s.axis, None if s.index is None else s.index.tolist()]
                           for s in self.stage.local_specs()])
 
@@ -166,7 +172,8 @@ def evaluate(job, params):
         if job.cfg.model == "mlp":
             value[0] = float((predict(params, job.dataset.x_test) == job.dataset.y_test).mean())
         else:
-            value[0] = corpus.bits(report.gpt_loss(job.cfg, params, job.dataset.x_test, job.dataset.y_test))
+            loss = held_out_loss(stages.gpt_shape(job.cfg), params, job.dataset.x_test, job.dataset.y_test)
+            value[0] = corpus.bits(loss)
     job.meta.broadcast(value, root=0)
     return float(value[0])
 

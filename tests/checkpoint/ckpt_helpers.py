@@ -11,7 +11,7 @@ import numpy as np
 
 import ringcomm
 from ringcomm.train.checkpoint import files, state
-from ringcomm.train import strategy as strategy_module
+from ringcomm.train.parallel import strategy as strategy_module
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.trainer import train
 from ringcomm.train.optim import LossScaler

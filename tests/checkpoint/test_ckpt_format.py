@@ -8,8 +8,8 @@ import pytest
 
 from ckpt_helpers import BASE, cli, load_params, manifest, run_train, steps_on_disk
 from ringcomm.train.checkpoint.cli import consolidate
-from ringcomm.train.layout import Layout
-from ringcomm.train.model import param_specs
+from ringcomm.train.parallel.flat import Layout
+from ringcomm.train.models.mlp import param_specs
 
 pytestmark = pytest.mark.timeout(120)
 

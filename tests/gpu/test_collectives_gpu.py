@@ -508,7 +508,8 @@ OFFLOAD = textwrap.dedent("""
     import json, sys
     import cupy as cp, numpy as np
     from cupy import _array
-    from ringcomm.train import optim, zero
+    from ringcomm.train import optim
+    from ringcomm.train.parallel import zero
     from ringcomm.train.cli import main
     log, made = [], []
     get, put, update, setup = _array.ndarray.get, _array.ndarray.set, optim.Adam.update, zero.Zero.setup

@@ -31,7 +31,7 @@ COUNTED = textwrap.dedent("""
     import json, sys
     import cupy
     from cupy import _runtime as rt
-    from ringcomm.train import step as step_mod
+    from ringcomm.train.parallel import step as step_mod
     from ringcomm.train.cli import main
     on_default, per_step, joined = [0], [], [0]
     concatenate = cupy.concatenate

@@ -127,7 +127,7 @@ def test_fp16_tracks_fp32(pools, tokens, tmp_path, case):
 
 
 def test_steps_0_saves_the_initial_parameters_and_trace_shows_the_schedule(pools, tokens, tmp_path):
-    from ringcomm.train.gpt import GPTShape, gpt_init, gpt_specs
+    from ringcomm.train.models.gpt import GPTShape, gpt_init, gpt_specs
     shape = GPTShape(256, 16, 16, 4, 2)
     docs = pools(4).run(run, tokens, str(tmp_path / "p.npz"), steps=0, pp=2, tp=2)
     saved = load(tmp_path / "p.npz")
@@ -190,7 +190,7 @@ SAVED = [dict(model="gpt", cp=2, tp=2), dict(model="gpt", tp=4), dict(model="gpt
 @pytest.mark.parametrize("layout", SAVED, ids=[",".join(f"{k}{v}" for k, v in t.items()) for t in SAVED])
 def test_saved_activations_match_the_formula(pools, tokens, tmp_path, layout):
     """The arrays a stage holds between forward and backward, counted, equal the formula
-    (ringcomm.train.activations); the traced peak of a step covers them."""
+    (ringcomm.train.accounting.activations); the traced peak of a step covers them."""
     gpt = layout["model"] == "gpt"
     changes = dict(layout, batch_size=8) if gpt else dict(layout, layers=(12, 20, 16, 14, 5), batch_size=48, samples=96)
     docs = pools(4).run(run, tokens if gpt else None, str(tmp_path / "p.npz"), **changes)
@@ -235,7 +235,7 @@ def overflowing(comm, data, **changes):
     steps overflow, are skipped and the scale halves, on whichever rank overflows."""
     import functools
 
-    from ringcomm.train import strategy as strategy_module
+    from ringcomm.train.parallel import strategy as strategy_module
     from ringcomm.train.optim import LossScaler
     original = strategy_module.LossScaler
     strategy_module.LossScaler = functools.partial(LossScaler, initial=2.0 ** 30, window=2, hysteresis=1)

@@ -8,8 +8,8 @@ import pytest
 from harness import RankPool
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.trainer import train
-from ringcomm.train.step import schedule
-from ringcomm.train.tensor import TPLayer
+from ringcomm.train.parallel.step import schedule
+from ringcomm.train.parallel.tensor import TPLayer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import ringcomm
-from ringcomm.train.memory import CATEGORIES, device_total
+from ringcomm.train.accounting.memory import CATEGORIES, device_total
 from ringcomm.train.config import TrainConfig, parse_args
 from ringcomm.train.trainer import load_data, train
 from ringcomm.train.data import load_npz
-from ringcomm.train.model import init_params, param_specs
+from ringcomm.train.models.mlp import init_params, param_specs
 
 pytestmark = pytest.mark.timeout(120)
 

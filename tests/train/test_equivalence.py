@@ -12,7 +12,7 @@ import pytest
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.trainer import train
 from ringcomm.train.data import BatchOrder, synthetic
-from ringcomm.train.model import init_params, param_specs
+from ringcomm.train.models.mlp import init_params, param_specs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,7 +127,7 @@ def test_clipping_changes_the_result(trained, optimizer):
 def first_step_grad_norm(comm, kw):
     """Global gradient norm of the first step, computed from the single reference's state."""
     from ringcomm.train import data as datasets
-    from ringcomm.train.model import linear_backward, linear_forward, softmax_cross_entropy
+    from ringcomm.train.models.mlp import linear_backward, linear_forward, softmax_cross_entropy
     cfg = TrainConfig(**kw)
     d = datasets.synthetic(cfg.layers[0], cfg.layers[-1], cfg.samples, cfg.seed)
     rows = datasets.BatchOrder(cfg.samples, cfg.batch_size, 1, cfg.seed).global_rows(0)

@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from ringcomm.train import functional as F
-from ringcomm.train.attention import Accumulator, LocalAttention, block_backward, zigzag_spans
+from ringcomm.train.models import functional as F
+from ringcomm.train.models.attention import Accumulator, LocalAttention, block_backward, zigzag_spans
 from ringcomm.train.corpus import stdlib_corpus, unigram_bits, windows
-from ringcomm.train.gpt import GPT, Context, GPTShape, gpt_init, gpt_specs
+from ringcomm.train.models.gpt import GPT, Context, GPTShape, gpt_init, gpt_specs
 
 torch = pytest.importorskip("torch")
 TF = torch.nn.functional

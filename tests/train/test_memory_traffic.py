@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ringcomm
-from ringcomm.train.memory import CATEGORIES, MemoryRegistry, device_total, predicted
+from ringcomm.train.accounting.memory import CATEGORIES, MemoryRegistry, device_total, predicted
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.trainer import train
-from ringcomm.train.layout import Layout
-from ringcomm.train.model import param_specs
+from ringcomm.train.parallel.flat import Layout
+from ringcomm.train.models.mlp import param_specs
 
 pytestmark = pytest.mark.timeout(120)
 

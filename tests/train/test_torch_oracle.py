@@ -11,7 +11,7 @@ import pytest
 from ringcomm.train.config import TrainConfig
 from ringcomm.train.trainer import train
 from ringcomm.train.data import BatchOrder, synthetic
-from ringcomm.train.model import (init_params, linear_backward, linear_forward, param_specs,
+from ringcomm.train.models.mlp import (init_params, linear_backward, linear_forward, param_specs,
                                   softmax_cross_entropy)
 from ringcomm.train.optim import SGD, Adam
 

@@ -14,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 
 from ringcomm import kernels
 from ringcomm.train import optim
-from ringcomm.train.strategy import Replicated
+from ringcomm.train.parallel.strategy import Replicated
 
 from kernel_helpers import assert_same_bits, ref
 

@@ -1,5 +1,6 @@
 """The package's import graph, read from the source: no cycle, and no module importing a
-layer above its own (trainer -> communicator -> algorithms -> transport / device)."""
+layer above its own (trainer -> communicator -> algorithms -> transport / device; inside the
+trainer, models -> parallel -> accounting)."""
 import ast
 import graphlib
 from pathlib import Path
@@ -17,6 +18,11 @@ ABOVE = {
     "ringcomm.arrays": ("ringcomm.comm", "ringcomm.device", "ringcomm.transport", "ringcomm.train"),
     "ringcomm.algorithms": ("ringcomm.comm", "ringcomm.train", "ringcomm.torch"),
     "ringcomm.comm": ("ringcomm.train", "ringcomm.torch"),
+    # the trainer's rooms: the model maths, how it is split over ranks, what it costs
+    "ringcomm.train.models": ("ringcomm.train.parallel.strategy", "ringcomm.train.parallel.zero",
+                              "ringcomm.train.parallel.step", "ringcomm.train.optim", "ringcomm.train.trainer"),
+    "ringcomm.train.parallel": ("ringcomm.train.models", "ringcomm.train.trainer"),
+    "ringcomm.train.accounting": ("ringcomm.train.models", "ringcomm.train.parallel", "ringcomm.train.trainer"),
 }
 
 
@@ -55,7 +61,7 @@ def test_the_reader_sees_the_imports_it_should():
     graph = imports()
     assert "ringcomm.device.staged" in graph["ringcomm.device.cuda"]
     assert "ringcomm.device.cuda" in graph["ringcomm.device"]  # a lazy import, inside select()
-    assert "ringcomm.arrays" in graph["ringcomm.train.strategy"]
+    assert "ringcomm.arrays" in graph["ringcomm.train.parallel.strategy"]
 
 
 def test_the_import_graph_has_no_cycle():

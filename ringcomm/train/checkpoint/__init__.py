@@ -15,10 +15,10 @@ Format
 
 - ``rank{r}.npz``, one per rank (``np.savez``, plain arrays, loaded with
   ``allow_pickle=False``): ``master`` (fp32; what the rank's optimizer works on, see
-  ``checkpoint_kind`` in :mod:`ringcomm.train.strategy`: the whole padded flat buffer for
-  ``single``/``ddp``/``dp``, the rank's shard buffer for ZeRO), the optimizer state ``m``,
-  ``v`` (Adam; same length as ``master``, empty on ``dp`` ranks other than 0) and ``t``, the
-  loss scaler (``scaler_scale``, ``scaler_clean``, ``scaler_hysteresis``,
+  ``checkpoint_kind`` in :mod:`ringcomm.train.parallel.strategy`: the whole padded flat
+  buffer for ``single``/``ddp``/``dp``, the rank's shard buffer for ZeRO), the optimizer
+  state ``m``, ``v`` (Adam; same length as ``master``, empty on ``dp`` ranks other than 0)
+  and ``t``, the loss scaler (``scaler_scale``, ``scaler_clean``, ``scaler_hysteresis``,
   ``scaler_skipped``), the data position ``step`` and ``seed`` (batches are a pure function of
   them, and nothing else draws random numbers after initialisation, so they are the whole
   RNG state), the losses so far, ``rank``, ``world_size`` and the rank's ``placement`` (a

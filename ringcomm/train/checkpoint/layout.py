@@ -4,8 +4,8 @@ and the assembly of whole parameters from rank files saved on any layout.
 A rank of a mesh (DP × CP × PP × TP) holds the **pieces** of the parameters its pipeline
 stage uses: a whole parameter, or (tensor parallelism) the indices ``index`` along ``axis``
 of it. Inside its data group (the ranks with the same pieces) the pieces live in one flat
-buffer under a :class:`ringcomm.train.layout.Layout`, whole on every rank (``kind`` "full"
-and "server") or as one shard per rank ("shard").
+buffer under a :class:`ringcomm.train.parallel.flat.Layout`, whole on every rank (``kind``
+"full" and "server") or as one shard per rank ("shard").
 
 Assembly, for ``master``, ``m`` and ``v``: the rank files are grouped by (stage, tp rank);
 each group's flat buffer is rebuilt from its data ranks' files, cut into pieces, and every

@@ -1,9 +1,9 @@
 """One training step on one rank, for every layout: micro-batches through this rank's
 pipeline stage in schedule order, gradients handed to the strategy, then the update.
 
-**Pipeline.** The stage's layers (:mod:`.models`) run on the rank's batch cut into M
-**micro-batches**; activations travel forward and their gradients backward between
-neighbouring stages with send/recv on the pp group. Schedules:
+**Pipeline.** The stage's layers (:mod:`ringcomm.train.models.stage`) run on the rank's
+batch cut into M **micro-batches**; activations travel forward and their gradients backward
+between neighbouring stages with send/recv on the pp group. Schedules:
 
 - ``gpipe``: all M forwards, then all M backwards; M micro-batches' activations alive.
 - ``1f1b``: stage p runs min(P−p−1, M) warm-up forwards, then alternates one forward and
@@ -31,7 +31,7 @@ from collections import Counter
 
 import numpy as np
 
-from .activations import held_bytes
+from ..accounting.activations import held_bytes
 
 
 def schedule(kind, p, pp, m):

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from ..arrays import array_module
+from ...arrays import array_module
 
 KV_TAG, GRAD_TAG = 0, 1
 

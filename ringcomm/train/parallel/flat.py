@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..arrays import array_module, copy_into
+from ...arrays import array_module, copy_into
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 

@@ -1,7 +1,7 @@
 """ZeRO stages 1, 2 and 3 (optimizer state, + gradients, + parameters partitioned), with
 optional optimizer offload.
 
-Rank r owns the r-th slice of every unit (see :mod:`.layout`) and keeps optimizer state
+Rank r owns the r-th slice of every unit (see :mod:`.flat`) and keeps optimizer state
 (fp32 master, m, v) for that shard only. Which other state is sharded follows one rule,
 as in llm.c: a category is sharded when ``stage >= shard_at_stage`` — optimizer state at 1,
 gradients at 2, parameters at 3.
@@ -28,8 +28,9 @@ gradients at 2, parameters at 3.
 """
 import numpy as np
 
-from ..arrays import cast_into, copy_into, to_host
-from .layout import Countdown
+from ...arrays import cast_into, copy_into, to_host
+from ..accounting import traffic
+from .flat import Countdown
 from .strategy import Strategy
 
 SHARD_AT_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
@@ -37,13 +38,14 @@ MAX_UNITS_IN_FLIGHT = 2  # stage 2+: reduce-scatters whose unit buffers may be a
 
 
 class Zero(Strategy):
-    layer_offset = 0  # model-order index of layer 0 here (pipeline stages), for trace names
-
-    def __init__(self, stage, *args, **kwargs):
-        self.stage = stage
-        self.name = f"zero{stage}"
-        self.per_layer_units = stage >= SHARD_AT_STAGE["params"]
-        super().__init__(*args, **kwargs)
+    def __init__(self, ctx):
+        """``ctx``: a :class:`.strategy.StrategyContext` whose ``zero_stage`` is 1, 2 or 3."""
+        if ctx.zero_stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO has stages 1, 2 and 3, not {ctx.zero_stage!r}")
+        self.stage = ctx.zero_stage
+        self.name = f"zero{self.stage}"
+        self.per_layer_units = self.stage >= SHARD_AT_STAGE["params"]
+        super().__init__(ctx)
 
     def sharded(self, category):
         return self.stage >= SHARD_AT_STAGE[category]
@@ -300,20 +302,16 @@ class Zero(Strategy):
             self.side.all_gather(full[unit.start:unit.stop], np.ascontiguousarray(lay.shard_view(shard, unit)))
         return [v.copy() for v in lay.views(full)]
 
-    def predicted_bytes(self, rank):
-        out = super().predicted_bytes(rank)
-        if self._offloaded_from_device():  # + the host shard, in the parameter dtype
-            out["optimizer_host"] += self.dtype.itemsize * self.layout.num_params / self.n
-        return out
+    def has_host_shard(self):
+        return self._offloaded_from_device()
 
     def predicted_sent_per_step(self, rank):
-        """2(N−1)/N·Φ·e; ZeRO-3: (N−1)/N·e·(2M·Σ_layers Φ_layer + Φ), every layer gathering
-        the units it uses once in each forward and backward of each of M micro-batches."""
+        """By the formulas; ZeRO-3's counts what every layer gathers (its units, once each)."""
         phi, n, e = self.layout.num_params, self.n, self.dtype.itemsize
         if not self.sharded("params"):
-            return 2 * (n - 1) / n * phi * e
-        gathered = sum(u.length for i in range(self.nlayers) for u in self._layer_units(i))
-        return (n - 1) / n * e * (2 * self.cfg.micro_batches * gathered + phi)
+            return traffic.all_reduce_sent(phi, n, e)
+        gathered = [sum(u.length for u in self._layer_units(i)) for i in range(self.nlayers)]
+        return traffic.zero3_sent(phi, n, e, self.cfg.micro_batches, gathered)
 
     checkpoint_kind = "shard"
 

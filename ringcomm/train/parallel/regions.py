@@ -30,7 +30,7 @@ Activations cross the wire in the storage dtype (float16 in mixed precision); sh
 """
 import numpy as np
 
-from ..arrays import array_module
+from ...arrays import array_module
 
 
 class Regions:

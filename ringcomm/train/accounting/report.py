@@ -5,15 +5,12 @@ import json
 
 import numpy as np
 
-from .memory import CATEGORIES, device_total, predicted
+from ..corpus import bits
 from . import activations, traffic
-from .corpus import bits
-from .gpt import GPT, Context
-from .models import gpt_shape
+from .memory import CATEGORIES, device_total, optimizer_bytes, predicted
 
 DIMS = ("dp", "cp", "pp", "tp", "tied")
 GROUP_OF = {"dp": "data", "cp": "cp", "pp": "pp", "tp": "tp", "tied": "tied"}
-HELD_OUT_SEQUENCES = 64
 
 
 def dimension_groups(mesh):
@@ -108,20 +105,6 @@ def param_sha256(params):
     return h.hexdigest()
 
 
-def gpt_loss(cfg, params, x, y):
-    """Mean cross-entropy (nats) of the fp32 GPT ``params`` on up to 64 held-out sequences."""
-    shape = gpt_shape(cfg)
-    model = GPT(shape, Context(shape))
-    x, y = x[:HELD_OUT_SEQUENCES], y[:HELD_OUT_SEQUENCES]
-    total = 0.0
-    for lo in range(0, len(x), 16):
-        h = x[lo:lo + 16]
-        for layer in model.layers:
-            h = layer.forward([params[g] for g in layer.params], h)[0]
-        total += model.loss(h, y[lo:lo + 16], y.size)[0]
-    return total
-
-
 def metrics(job, losses, quality, params, per_rank):
     cfg, strategy, mesh = job.cfg, job.strategy, job.mesh
     document = {
@@ -175,7 +158,7 @@ def table(job, per_rank):
     if strategy.name.startswith("zero"):
         phi = per_rank[0]["num_params"]
         # DDP keeps an fp32 master only in mixed precision, and its state on the device
-        ddp_k = (4 if strategy.mixed else 0) + strategy.optimizer.state_bytes
+        ddp_k = optimizer_bytes(strategy.mixed, strategy.optimizer.state_bytes)
         ddp = device_total(predicted("ddp", phi, strategy.n, e, e, ddp_k))
         mine = device_total(per_rank[0]["predicted_model_state_bytes"])
         lines.append(f"DDP would need {_mib(ddp).strip()} MiB on rank 0 for the same parameters; "

@@ -30,12 +30,13 @@ from collections import defaultdict
 import numpy as np
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "zero3")
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}  # the strategies that are ZeRO, by stage
 CATEGORIES = ("params", "grads", "optimizer", "optimizer_host")
 
 
 def predicted(strategy, phi, n, p=2, g=2, k=12, rank=0, offload=False):
     """Bytes of model state per category on ``rank`` for ``strategy`` (formulas above)."""
-    stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(strategy, 0)
+    stage = ZERO_STAGES.get(strategy, 0)
     params = p * phi / n if stage >= 3 else p * phi
     grads = g * phi / n if stage >= 2 else g * phi
     optimizer = k * phi / n if stage >= 1 else k * phi
@@ -43,6 +44,22 @@ def predicted(strategy, phi, n, p=2, g=2, k=12, rank=0, offload=False):
         optimizer = 0.0  # the parameter server: only rank 0 keeps optimizer state
     out = {"params": params, "grads": grads, "optimizer": 0.0, "optimizer_host": 0.0}
     out["optimizer_host" if offload else "optimizer"] = optimizer
+    return out
+
+
+def optimizer_bytes(master, state_bytes):
+    """K: optimizer bytes per parameter, the fp32 master copy (when there is one, 4 bytes)
+    and the optimizer's own state."""
+    return (4 if master else 0) + state_bytes
+
+
+def strategy_bytes(strategy, phi, n, e, k, rank=0, offload=False, host_shard=False):
+    """:func:`predicted` for a strategy storing parameters and gradients in ``e`` bytes,
+    with ``host_shard`` (offloaded from a GPU) the host shard too: e bytes per parameter of
+    the shard, in ``optimizer_host``."""
+    out = predicted(strategy, phi, n, e, e, k, rank=rank, offload=offload)
+    if host_shard:
+        out["optimizer_host"] += e * phi / n
     return out
 
 

@@ -19,44 +19,62 @@ them, ``group``), through hooks the step (:mod:`.step`) calls:
 Every strategy's step leaves the model in exactly the state the single-process reference
 would reach, up to floating-point summation order.
 """
+from dataclasses import dataclass
+
 import numpy as np
 
-from .. import kernels
-from ..algorithms.choice import bandwidth_algorithm
-from ..arrays import array_module, cast_into, copy_into, to_host
-from .memory import predicted
-from .layout import Countdown, Layout
-from .optim import LossScaler, clip_coefficient, make_optimizer
+from ... import kernels
+from ...algorithms.choice import bandwidth_algorithm
+from ...arrays import array_module, cast_into, copy_into, to_host
+from ..accounting import memory, traffic
+from ..optim import LossScaler, clip_coefficient, make_optimizer
+from .flat import Countdown, Layout
 
+
+@dataclass
+class StrategyContext:
+    """Everything a strategy is built from (the trainer fills it in by keyword)."""
+
+    group: object            # the data group: where gradients are summed and ZeRO shards
+    meta: object             # every rank of the job, for control traffic the byte counts leave out
+    side: object             # the data group again, for control traffic likewise
+    specs: list              # ``(name, shape)`` of this rank's parameters in model order
+    layer_members: list      # per layer, the indices of its parameters
+    params: list             # their fp32 values (copied into the strategy's buffers by setup)
+    cfg: object              # the TrainConfig
+    registry: object         # the MemoryRegistry every model-state buffer comes from
+    tracer: object           # the Tracer collectives are recorded in
+    counted: object = None   # per parameter, whether this rank's copy counts in the global
+    #                          gradient norm (models.stage.counted); None: every one
+    alone: tuple = ()        # parameters that get a unit of their own (see flat.Layout)
+    zero_stage: int = 0      # ZeRO's stage, 1 to 3; 0 for the other strategies
+    layer_offset: int = 0    # model-order index of layer 0 here (pipeline stages), for trace names
 
 class Strategy:
     name = "base"
     per_layer_units = False
 
-    def __init__(self, group, meta, side, specs, layer_members, params, cfg, registry, tracer, counted=None,
-                 alone=()):
-        """``group``: the data group; ``meta``: every rank of the job and ``side``: the data
-        group again, both for the control traffic that the byte counts leave out. ``specs``: ``(name, shape)`` of this rank's parameters in model order; ``params``
-        their fp32 values; ``layer_members``: per layer, the indices of its parameters;
-        ``counted``: per parameter, whether this rank's copy counts in the global gradient
-        norm (see :func:`.models.counted`; default all); ``alone``: parameters that get a unit
-        of their own (see :class:`.layout.Layout`)."""
-        self.comm, self.meta, self.side = group, meta, side
+    def __init__(self, ctx):
+        """``ctx``: a :class:`StrategyContext`; the strategy keeps what it needs of it, not
+        the context (nor the initial parameters, once ``setup`` has copied them)."""
+        group, cfg, registry = ctx.group, ctx.cfg, ctx.registry
+        self.comm, self.meta, self.side = group, ctx.meta, ctx.side
         self.rank, self.n = group.rank, group.world_size
         # gradients and shards: the ring, or inside hosts first where the group spans several
         self.algorithm = bandwidth_algorithm(group.topology)
-        self.cfg, self.reg, self.trace = cfg, registry, tracer
+        self.cfg, self.reg, self.trace = cfg, registry, ctx.tracer
         self.xp = registry.xp  # numpy, or cupy when training on a GPU
-        self.members = layer_members
-        self.nlayers = len(layer_members)
+        self.members = ctx.layer_members
+        self.nlayers = len(self.members)
+        self.layer_offset = ctx.layer_offset
         self.dtype = np.dtype(np.float16 if cfg.precision == "fp16" else np.float32)
         self.mixed = cfg.precision == "fp16"
-        self.layout = Layout(specs, self.n, int(cfg.bucket_mb * 2 ** 20), self.dtype.itemsize,
-                             layer_members=layer_members if self.per_layer_units else None, alone=alone)
-        self.counted = np.ones(len(specs), bool) if counted is None else np.asarray(counted, bool)
+        self.layout = Layout(ctx.specs, self.n, int(cfg.bucket_mb * 2 ** 20), self.dtype.itemsize,
+                             layer_members=self.members if self.per_layer_units else None, alone=ctx.alone)
+        self.counted = np.ones(len(ctx.specs), bool) if ctx.counted is None else np.asarray(ctx.counted, bool)
         self.scaler = LossScaler(enabled=self.mixed)
         self.optimizer_category = "optimizer_host" if cfg.offload else "optimizer"
-        self.setup(params)
+        self.setup(ctx.params)
 
     # -- the update -----------------------------------------------------------------------------
     def update(self, loss_share):
@@ -148,17 +166,21 @@ class Strategy:
 
     def k_bytes(self):
         """Optimizer bytes per parameter: the fp32 master copy (when there is one) + state."""
-        return (4 if self.keeps_master() else 0) + self.optimizer.state_bytes
+        return memory.optimizer_bytes(self.keeps_master(), self.optimizer.state_bytes)
+
+    def has_host_shard(self):
+        """Whether a host shard sits beside offloaded optimizer state (ZeRO from a GPU)."""
+        return False
 
     def predicted_bytes(self, rank):
+        """Model-state bytes per category on ``rank``, by the formulas."""
         size = self.dtype.itemsize
-        return predicted(self.name, self.layout.num_params, self.n, size, size, self.k_bytes(),
-                         rank=rank, offload=self.cfg.offload)
+        return memory.strategy_bytes(self.name, self.layout.num_params, self.n, size, self.k_bytes(), rank=rank,
+                                     offload=self.cfg.offload, host_shard=self.has_host_shard())
 
     def predicted_sent_per_step(self, rank):
         """Payload bytes this rank sends per step, by the formulas."""
-        phi, n, e = self.layout.num_params, self.n, self.dtype.itemsize
-        return 2 * (n - 1) / n * phi * e
+        return traffic.all_reduce_sent(self.layout.num_params, self.n, self.dtype.itemsize)
 
     # -- hooks --------------------------------------------------------------------------------
     def setup(self, params):
@@ -186,7 +208,7 @@ class Strategy:
         """Model-order fp32 parameters (called on every rank; may communicate)."""
         raise NotImplementedError
 
-    # -- checkpoints (see :mod:`.checkpoint`) -------------------------------------
+    # -- checkpoints (see :mod:`ringcomm.train.checkpoint`) --------------------------
     # ``checkpoint_kind`` says what ``state()["master"]`` holds on each rank: ``"full"`` the
     # whole padded flat buffer, ``"shard"`` this rank's shard buffer, ``"server"`` the whole
     # flat buffer everywhere but the optimizer state (m, v) on rank 0 only.
@@ -337,5 +359,4 @@ class ParameterServer(Replicated):
         return [v.astype(np.float32) for v in self.layout.views(full)]
 
     def predicted_sent_per_step(self, rank):
-        phi, n, e = self.layout.num_params, self.n, self.dtype.itemsize
-        return (n - 1) * phi * e if rank == 0 else phi * e
+        return traffic.server_sent(self.layout.num_params, self.n, self.dtype.itemsize, rank)

@@ -11,12 +11,24 @@ parameters are stored in the given dtype (float16 in mixed precision); numpy has
 fp16 matrix product, so products are computed in float32 from the stored values and the
 results stored back in the storage dtype.
 
+The layers (:class:`MLPLayer`) are what the trainer places on pipeline stages and splits
+over tensor parallelism (the split: :class:`ringcomm.train.parallel.tensor.TPLayer`). Layer
+i holds ``W{i}`` (in, out) and ``b{i}``. With ``tp > 1`` even layers are column-parallel
+(``W`` and ``b`` split by output columns) and odd ones row-parallel (``W`` split by input
+rows, ``b`` replicated); with tp the last layer's logits are all-gathered, so every tp rank
+computes the same loss.
+
 >>> layers = [64, 256, 10]
 >>> params = init_params(layers, seed=0)          # [W0 (64,256), b0 (256,), W1, b1], fp32
+>>> [layer.params for layer in mlp_layers(layers, tp_group=None, dtype=np.float32)]
+[[0, 1], [2, 3]]
 """
 import numpy as np
 
-from ..arrays import array_module
+from ...arrays import array_module
+from ..parallel.tensor import TPLayer
+from .functional import f32
+from .specs import ParamSpec
 
 
 def param_specs(layers):
@@ -85,3 +97,57 @@ def predict(params, x):
     for i in range(n):
         h = linear_forward(h, params[2 * i], params[2 * i + 1], relu=i < n - 1)
     return h.argmax(axis=1)
+
+
+# -- the layers the trainer places and splits ---------------------------------------------
+def mlp_specs(widths, tp=1, t=0):
+    """Every parameter in model order, with this tp rank's piece of it."""
+    specs = []
+    for i in range(len(widths) - 1):
+        layer = TPLayer(i, widths[i], widths[i + 1], tp, t, i == len(widths) - 2)
+        rows, cols = (np.arange(s.start, s.stop) for s in (layer.rows, layer.cols))
+        w_shape, b_shape = (widths[i], widths[i + 1]), (widths[i + 1],)
+        if layer.kind == "column":
+            specs += [ParamSpec(f"W{i}", w_shape, 1, cols), ParamSpec(f"b{i}", b_shape, 0, cols)]
+        elif layer.kind == "row":
+            specs += [ParamSpec(f"W{i}", w_shape, 0, rows), ParamSpec(f"b{i}", b_shape)]
+        else:
+            specs += [ParamSpec(f"W{i}", w_shape), ParamSpec(f"b{i}", b_shape)]
+    return specs
+
+
+class MLPLayer:
+    def __init__(self, split, tp_group, dtype):
+        self.split, self.group, self.dtype = split, tp_group, np.dtype(dtype)
+        self.index = split.index
+        self.name = f"layer {self.index}"
+        self.params = [2 * self.index, 2 * self.index + 1]
+        self.relu = not split.last
+
+    def forward(self, ps, h):
+        W, b = ps
+        if self.split.tp == 1:
+            out = linear_forward(h, W, b, relu=self.relu)
+        else:
+            out = self.split.forward(f32(h), f32(W), f32(b), self.group, relu=self.relu).astype(self.dtype)
+        return out, (h, out)
+
+    def backward(self, ps, cache, dout):
+        (W, _), (h, out) = ps, cache
+        need_dh = self.index > 0
+        if self.split.tp == 1:
+            dW, db, dh = linear_backward(h, W, out, dout, relu=self.relu, need_dh=need_dh)
+        else:
+            dW, db, dh = self.split.backward(f32(h), f32(W), f32(out), f32(dout), self.group,
+                                             relu=self.relu, need_dh=need_dh)
+        return [dW, db], (None if dh is None else dh.astype(self.dtype))
+
+
+def mlp_layers(widths, tp_group, dtype):
+    tp, t = (tp_group.world_size, tp_group.rank) if tp_group is not None else (1, 0)
+    n = len(widths) - 1
+    return [MLPLayer(TPLayer(i, widths[i], widths[i + 1], tp, t, i == n - 1), tp_group, dtype) for i in range(n)]
+
+
+def mlp_loss(logits, y, denominator):
+    return softmax_cross_entropy(logits, y, denominator)

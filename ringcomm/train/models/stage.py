@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..algorithms.chunks import split
+from ...algorithms.chunks import split
 from .gpt import GPT, Context, GPTShape, gpt_init, gpt_specs
-from .mlp import mlp_layers, mlp_loss, mlp_specs
-from .model import init_params
+from .mlp import init_params, mlp_layers, mlp_loss, mlp_specs
 
 
 @dataclass

@@ -23,7 +23,8 @@ holds heads [t·H/T, (t+1)·H/T): those columns of each of q, k and v in ``w_qkv
 and the matching rows of ``w_o``), the MLP by its 4d hidden columns (``w_in``/``b_in``
 columns, ``w_out`` rows). ``b_o``, ``b_out``, the LayerNorms and both embeddings are
 replicated over tp: every tp rank computes the embedding and the head on its rows (all of
-them without ``--sp``, 1/T of them with it); see :mod:`.regions` for what crosses the wire.
+them without ``--sp``, 1/T of them with it); see :mod:`ringcomm.train.parallel.regions`
+for what crosses the wire.
 
 **Context parallelism** over C ranks: each holds the positions of its spans
 (:func:`.attention.zigzag_spans`) of every sequence; everything but attention is per
@@ -33,12 +34,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..arrays import array_module
+from ...arrays import array_module
+from ..parallel.regions import Regions
 from . import functional as F
 from .attention import LocalAttention, RingAttention, span_positions, zigzag_spans
-from .regions import Regions
 from .specs import ParamSpec
 
+HELD_OUT_SEQUENCES = 64  # at most this many held-out sequences in held_out_loss
 BLOCK_PARAMS = ("ln1.w", "ln1.b", "attn.w_qkv", "attn.b_qkv", "attn.w_o", "attn.b_o",
                 "ln2.w", "ln2.b", "mlp.w_in", "mlp.b_in", "mlp.w_out", "mlp.b_out")
 
@@ -239,3 +241,16 @@ class GPT:
     def loss(self, logits, y, denominator):
         """This rank's share of the mean cross-entropy over its rows of ``y`` (b, positions)."""
         return F.cross_entropy(logits, y[:, self.ctx.rows], denominator)
+
+
+def held_out_loss(shape, params, x, y):
+    """Mean cross-entropy (nats) of the fp32 GPT ``params`` on up to 64 held-out sequences."""
+    model = GPT(shape, Context(shape))
+    x, y = x[:HELD_OUT_SEQUENCES], y[:HELD_OUT_SEQUENCES]
+    total = 0.0
+    for lo in range(0, len(x), 16):
+        h = x[lo:lo + 16]
+        for layer in model.layers:
+            h = layer.forward([params[g] for g in layer.params], h)[0]
+        total += model.loss(h, y[lo:lo + 16], y.size)[0]
+    return total

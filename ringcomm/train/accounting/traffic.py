@@ -11,7 +11,8 @@ of S bytes (T−1)/T·S.
   two more (Megatron-LM); with ``--sp`` each becomes a reduce-scatter plus an all-gather (same
   bytes), and the gradients of the replicated parameters (LayerNorms, output biases,
   embeddings on their stages) are all-reduced in fp32. ``--recompute`` repeats the forward's.
-  MLP: see :meth:`.tensor.TPLayer.comm_bytes`.
+  MLP (:func:`mlp_layer_tp`), per micro-batch of b rows: Σ_row c(b·out·e) + Σ_column, not
+  first, c(b·in·e) + (T−1)·b·⌈classes/T⌉·e for a final all-gather of the logits.
 - **cp** (GPT): per block and micro-batch, ring attention's K and V blocks, E = 2·b·R·h/T
   fp32 elements: forward (C−1)·E·4, backward (C−1)·E·4 + C·E·4 (dK and dV go all the way
   home).
@@ -19,12 +20,51 @@ of S bytes (T−1)/T·S.
   and its input gradient backward (all but the first).
 - **data**: the strategy's own (DDP and ZeRO-1/2: 2(N−1)/N·Φ·e; ZeRO-3: (N−1)/N·e·(2M·Σ
   over layers of the parameters each gathers + Φ); parameter server: (N−1)Φe at rank 0, Φe
-  elsewhere), Φ the parameters on this rank.
+  elsewhere), Φ the parameters on this rank; each strategy's ``predicted_sent_per_step``
+  calls the function here for its formula.
 - **tied**: the first and last stage all-reduce the embedding gradient, V·h fp32.
 """
 import math
 
-from ..algorithms.choice import all_reduce_bytes
+from ...algorithms.choice import all_reduce_bytes
+from ...algorithms.chunks import split
+
+
+# -- the data group: what each strategy sends ---------------------------------------------------
+def all_reduce_sent(phi, n, e):
+    """DDP and ZeRO-1/2: 2(N−1)/N·Φ·e (an all-reduce, or a reduce-scatter and an all-gather)."""
+    return 2 * (n - 1) / n * phi * e
+
+
+def server_sent(phi, n, e, rank):
+    """The parameter server: (N−1)Φe from rank 0, Φe from every other rank."""
+    return (n - 1) * phi * e if rank == 0 else phi * e
+
+
+def zero3_sent(phi, n, e, micro_batches, gathered):
+    """ZeRO-3: (N−1)/N·e·(2M·Σ_layers Φ_layer + Φ), every layer gathering the units it uses
+    (``gathered``: per layer, their parameters) once in each forward and backward of each of
+    M micro-batches, and the gradients reduce-scattered once."""
+    return (n - 1) / n * e * (2 * micro_batches * sum(gathered) + phi)
+
+
+# -- model parallelism --------------------------------------------------------------------------
+def mlp_layer_tp(layer, rows, itemsize, first, local=False, forward_only=False):
+    """Bytes a tp rank sends for one micro-batch of ``rows`` samples through the MLP layer split
+    ``layer`` (a :class:`ringcomm.train.parallel.tensor.TPLayer`), forward and backward or the
+    forward alone, by the formula of the algorithm ``auto`` picks for each all-reduce
+    (``local``: the tp group's ranks share one host's lanes, see ``Communicator.local``)."""
+    if layer.tp == 1:
+        return 0.0
+    total = 0.0
+    if layer.kind == "row":
+        total += all_reduce_bytes(layer.tp, rows * layer.fan_out * itemsize, local=local)
+    elif not first and not forward_only:
+        total += all_reduce_bytes(layer.tp, rows * layer.fan_in * itemsize, local=local)
+    if layer.kind == "column" and layer.last:
+        widths = [hi - lo for lo, hi in split(0, layer.fan_out, layer.tp)]
+        total += (layer.tp - 1) * rows * max(widths) * itemsize  # ring all-gather, padded
+    return total
 
 
 def _local(mesh, kind):
@@ -59,10 +99,10 @@ def _mlp_tp(cfg, mesh, stage, b):
     local = _local(mesh, "tp")
     total = 0.0
     for layer in stage.layers:
-        split = layer.split
-        total += split.comm_bytes(b, 4, first=split.index == 0, local=local)
+        tp_layer = layer.split
+        total += mlp_layer_tp(tp_layer, b, 4, first=tp_layer.index == 0, local=local)
         if cfg.recompute:
-            total += split.comm_bytes(b, 4, first=split.index == 0, local=local, forward_only=True)
+            total += mlp_layer_tp(tp_layer, b, 4, first=tp_layer.index == 0, local=local, forward_only=True)
     return total
 
 
@@ -85,8 +125,8 @@ def _pp(cfg, mesh, stage, b, e):
         if stage.gpt is not None:
             total += b * stage.gpt.ctx.row_count * cfg.d_model * e
         else:
-            split = stage.layers[-1].split
-            total += b * (split.out_local if split.output_split else split.fan_out) * e
+            last = stage.layers[-1].split
+            total += b * (last.out_local if last.output_split else last.fan_out) * e
     if not mesh.first_stage:
         total += math.prod(stage.boundary_shape(b)) * e
     return total

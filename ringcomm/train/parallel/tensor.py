@@ -12,10 +12,8 @@ Layers alternate (by global index) between the two halves of Megatron-LM's conju
 
 An MLP whose last layer is column-parallel all-gathers its logits for the loss. What crosses
 the wire is activations and their gradients (B × width per layer), never parameters — the
-source document's contrast with ZeRO-3. Bytes each tp rank sends per micro-batch of B rows,
-an all-reduce of S bytes costing c(S) (2(T−1)/T·S on the ring, S·log2 T by recursive
-doubling for small S): Σ_row c(B·out·e) + Σ_column, not first c(B·in·e), + (T−1)·B·⌈classes/T⌉·e
-for a final all-gather.
+source document's contrast with ZeRO-3; how many bytes, by formula, is
+:func:`ringcomm.train.accounting.traffic.mlp_layer_tp`.
 
 >>> layer = TPLayer(index=0, fan_in=64, fan_out=256, tp=2, t=1, last=False)
 >>> layer.kind, layer.out_local      # columns [128, 256) of W0 live on tp rank 1
@@ -23,9 +21,8 @@ for a final all-gather.
 """
 import numpy as np
 
-from ..algorithms.chunks import split
-from ..algorithms.choice import all_reduce_bytes
-from ..arrays import array_module
+from ...algorithms.chunks import split
+from ...arrays import array_module
 
 
 class TPLayer:
@@ -83,7 +80,7 @@ class TPLayer:
         """Gradients from ``dout`` (the gradient of this rank's output as ``forward`` returned
         it). Returns ``(dW, db, dh)``, ``dh`` in the layout of this rank's input."""
         d = dout.copy()
-        if relu:  # a where, not a boolean mask: see model.linear_backward
+        if relu:  # a where, not a boolean mask: see models.mlp.linear_backward
             array_module(d).copyto(d, 0, where=out <= 0)
         if self.kind == "column" and self.last:
             d = array_module(d).ascontiguousarray(d[:, self.cols])
@@ -95,20 +92,3 @@ class TPLayer:
             if self.kind == "column":
                 tp_group.all_reduce(dh)
         return dW, db, dh
-
-    def comm_bytes(self, rows, itemsize, first, local=False, forward_only=False):
-        """Bytes this tp rank sends for one micro-batch of ``rows`` samples (forward and
-        backward, or the forward alone), by the formula of the algorithm ``auto`` picks for
-        each all-reduce (``local``: the tp group's ranks share one host's lanes, see
-        ``Communicator.local``)."""
-        if self.tp == 1:
-            return 0.0
-        total = 0.0
-        if self.kind == "row":
-            total += all_reduce_bytes(self.tp, rows * self.fan_out * itemsize, local=local)
-        elif not first and not forward_only:
-            total += all_reduce_bytes(self.tp, rows * self.fan_in * itemsize, local=local)
-        if self.kind == "column" and self.last:
-            widths = [hi - lo for lo, hi in split(0, self.fan_out, self.tp)]
-            total += (self.tp - 1) * rows * max(widths) * itemsize  # ring all-gather, padded
-        return total

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..arrays import array_module
+from ...arrays import array_module
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
