@@ -27,7 +27,6 @@ of S bytes (T−1)/T·S.
 import math
 
 from ...algorithms.choice import all_reduce_bytes
-from ...algorithms.chunks import split
 
 
 # -- the data group: what each strategy sends ---------------------------------------------------
@@ -62,8 +61,7 @@ def mlp_layer_tp(layer, rows, itemsize, first, local=False, forward_only=False):
     elif not first and not forward_only:
         total += all_reduce_bytes(layer.tp, rows * layer.fan_in * itemsize, local=local)
     if layer.kind == "column" and layer.last:
-        widths = [hi - lo for lo, hi in split(0, layer.fan_out, layer.tp)]
-        total += (layer.tp - 1) * rows * max(widths) * itemsize  # ring all-gather, padded
+        total += (layer.tp - 1) * rows * max(layer.widths()) * itemsize  # ring all-gather, padded
     return total
 
 

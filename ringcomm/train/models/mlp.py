@@ -26,6 +26,7 @@ computes the same loss.
 import numpy as np
 
 from ...arrays import array_module
+from ..parallel.regions import Regions
 from ..parallel.tensor import TPLayer
 from .functional import f32
 from .specs import ParamSpec
@@ -117,8 +118,8 @@ def mlp_specs(widths, tp=1, t=0):
 
 
 class MLPLayer:
-    def __init__(self, split, tp_group, dtype):
-        self.split, self.group, self.dtype = split, tp_group, np.dtype(dtype)
+    def __init__(self, split, regions, dtype):
+        self.split, self.regions, self.dtype = split, regions, np.dtype(dtype)
         self.index = split.index
         self.name = f"layer {self.index}"
         self.params = [2 * self.index, 2 * self.index + 1]
@@ -129,7 +130,7 @@ class MLPLayer:
         if self.split.tp == 1:
             out = linear_forward(h, W, b, relu=self.relu)
         else:
-            out = self.split.forward(f32(h), f32(W), f32(b), self.group, relu=self.relu).astype(self.dtype)
+            out = self.split.forward(f32(h), f32(W), f32(b), self.regions, relu=self.relu).astype(self.dtype)
         return out, (h, out)
 
     def backward(self, ps, cache, dout):
@@ -138,7 +139,7 @@ class MLPLayer:
         if self.split.tp == 1:
             dW, db, dh = linear_backward(h, W, out, dout, relu=self.relu, need_dh=need_dh)
         else:
-            dW, db, dh = self.split.backward(f32(h), f32(W), f32(out), f32(dout), self.group,
+            dW, db, dh = self.split.backward(f32(h), f32(W), f32(out), f32(dout), self.regions,
                                              relu=self.relu, need_dh=need_dh)
         return [dW, db], (None if dh is None else dh.astype(self.dtype))
 
@@ -146,7 +147,8 @@ class MLPLayer:
 def mlp_layers(widths, tp_group, dtype):
     tp, t = (tp_group.world_size, tp_group.rank) if tp_group is not None else (1, 0)
     n = len(widths) - 1
-    return [MLPLayer(TPLayer(i, widths[i], widths[i + 1], tp, t, i == n - 1), tp_group, dtype) for i in range(n)]
+    regions = Regions(tp_group, sp=False, dtype=np.float32)  # the MLP's activations cross in float32
+    return [MLPLayer(TPLayer(i, widths[i], widths[i + 1], tp, t, i == n - 1), regions, dtype) for i in range(n)]
 
 
 def mlp_loss(logits, y, denominator):

@@ -25,8 +25,10 @@ Parameters outside the region (replicated over tp) get identical gradients on ev
 without ``--sp``; with it each rank's gradient covers its rows only, and
 :meth:`Regions.sum_partial` all-reduces them over the tp group.
 
-Activations cross the wire in the storage dtype (float16 in mixed precision); shapes are
-``(batch, rows, width)``.
+Activations cross the wire in the region's dtype: the GPT's storage dtype (float16 in mixed
+precision), float32 for the MLP. The GPT's shapes are ``(batch, rows, width)``; the MLP's
+tensor-parallel layers (:mod:`.tensor`) use the same edges on ``(rows, width)`` without
+``--sp``, and :meth:`Regions.gather_columns` for the logits of a last column-parallel layer.
 """
 import numpy as np
 
@@ -72,6 +74,19 @@ class Regions:
         if not self.sp or not grads:
             return grads
         return all_reduce_arrays(self.group, grads)
+
+    def gather_columns(self, local, widths):
+        """(rows, widths[t]) columns of every tp rank -> (rows, Σ widths), tp rank order along
+        the columns (the MLP's last, column-parallel, layer: its logits for the loss). The
+        widths may differ (a width tp does not divide): every rank sends its piece padded
+        to the widest."""
+        xp = array_module(local)
+        pad = max(widths)
+        padded = xp.zeros((local.shape[0], pad), self.dtype)
+        padded[:, :local.shape[1]] = local
+        gathered = xp.empty((self.tp, local.shape[0], pad), self.dtype)
+        self.group.all_gather(gathered.reshape(-1), padded.reshape(-1))
+        return xp.concatenate([gathered[i, :, :w] for i, w in enumerate(widths)], axis=1)
 
     # -- collectives along the sequence ----------------------------------------------------------
     def _all_reduce(self, x):

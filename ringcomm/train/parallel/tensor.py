@@ -10,9 +10,11 @@ Layers alternate (by global index) between the two halves of Megatron-LM's conju
   split output directly; the partial outputs ``X_t @ W_t`` are **all-reduced** in forward
   (Megatron's *g*), then the replicated bias is added; backward needs no communication.
 
-An MLP whose last layer is column-parallel all-gathers its logits for the loss. What crosses
-the wire is activations and their gradients (B × width per layer), never parameters — the
-source document's contrast with ZeRO-3; how many bytes, by formula, is
+An MLP whose last layer is column-parallel all-gathers its logits for the loss. A column
+layer's input is a tp region's entry and a row layer's output its exit: every byte goes
+through :class:`.regions.Regions`, the GPT's path too (here without ``--sp``, in float32).
+What crosses the wire is activations and their gradients (B × width per layer), never
+parameters — the source document's contrast with ZeRO-3; how many bytes, by formula, is
 :func:`ringcomm.train.accounting.traffic.mlp_layer_tp`.
 
 >>> layer = TPLayer(index=0, fan_in=64, fan_out=256, tp=2, t=1, last=False)
@@ -54,29 +56,25 @@ class TPLayer:
         return self.kind == "column" and not self.last
 
     # -- compute ------------------------------------------------------------------------------
-    def forward(self, h, W, b, tp_group, relu):
+    def forward(self, h, W, b, regions, relu):
         """``h`` is this rank's input (split for row layers); returns this rank's output
-        (split for column layers, except a last layer's logits, which are all-gathered)."""
+        (split for column layers, except a last layer's logits, which are all-gathered).
+        ``regions``: the tp group's :class:`.regions.Regions`, which does all the talking."""
         out = h @ W
-        if self.kind == "row":
-            tp_group.all_reduce(out)
+        if self.kind == "row":  # the region's exit: the partial sums all-reduced
+            out = regions.exit_forward(out)
         out += b
         if self.kind == "column" and self.last:
-            out = self._gather_columns(out, tp_group)
+            out = regions.gather_columns(out, self.widths())
         if relu:
             array_module(out).maximum(out, 0, out=out)
         return out
 
-    def _gather_columns(self, local, tp_group):
-        widths = [hi - lo for lo, hi in split(0, self.fan_out, self.tp)]
-        pad, xp = max(widths), array_module(local)  # numpy, or cupy on a GPU
-        padded = xp.zeros((local.shape[0], pad), local.dtype)
-        padded[:, :local.shape[1]] = local
-        gathered = xp.empty((self.tp, local.shape[0], pad), local.dtype)
-        tp_group.all_gather(gathered.reshape(-1), padded.reshape(-1))
-        return xp.concatenate([gathered[i, :, :w] for i, w in enumerate(widths)], axis=1)
+    def widths(self):
+        """Every tp rank's output columns, in tp rank order."""
+        return [hi - lo for lo, hi in split(0, self.fan_out, self.tp)]
 
-    def backward(self, h, W, out, dout, tp_group, relu, need_dh):
+    def backward(self, h, W, out, dout, regions, relu, need_dh):
         """Gradients from ``dout`` (the gradient of this rank's output as ``forward`` returned
         it). Returns ``(dW, db, dh)``, ``dh`` in the layout of this rank's input."""
         d = dout.copy()
@@ -89,6 +87,6 @@ class TPLayer:
         dh = None
         if need_dh:
             dh = d @ W.T
-            if self.kind == "column":
-                tp_group.all_reduce(dh)
+            if self.kind == "column":  # the region's entry, backward: the partial sums all-reduced
+                dh = regions.enter_backward(dh)
         return dW, db, dh
