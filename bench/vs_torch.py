@@ -43,7 +43,8 @@ class Job:
 
     @property
     def name(self):
-        return f"{self.side} {self.wrap} N={self.n} {' '.join(self.flags[1:2])} {self.batch}"
+        split = "".join(f" {f[2:]}{v}" for f, v in zip(self.flags, self.flags[1:], strict=False) if f in ("--tp", "--cp"))
+        return f"{self.side} {self.wrap}{split} N={self.n} {self.flags[1]} {self.batch}"
 
     @property
     def batch(self):
@@ -94,7 +95,8 @@ def torch_worker(wrap, flags):
     import torch
     import torch.distributed as dist
     import torch_models
-    from ringcomm.train import data as datasets, models
+    from ringcomm.train import data as datasets
+    from ringcomm.train.models.stage import full_init
     from ringcomm.train.config import parse_args, validate
     from ringcomm.train.trainer import load_data
     torch.set_num_threads(1)
@@ -102,7 +104,7 @@ def torch_worker(wrap, flags):
     cfg = validate(parse_args(list(flags)), n)
     if n > 1:
         dist.init_process_group("gloo")
-    model = torch_models.build(cfg, models.full_init(cfg))
+    model = torch_models.build(cfg, full_init(cfg))
     if wrap == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif wrap == "fsdp2":
