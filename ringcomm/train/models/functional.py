@@ -17,6 +17,7 @@ from ...arrays import array_module
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
+GELU_CUBE = 0.044715
 
 
 def f32(a):
@@ -59,14 +60,38 @@ def layer_norm_backward(cache, w, dy):
 
 # -- GELU (tanh approximation, as GPT-2) ------------------------------------------------------
 def gelu_forward(u):
+    """``0.5·u·(1 + tanh(√(2/π)·(u + 0.044715·u³)))``; two arrays the size of ``u`` made."""
     xp = array_module(u)
-    t = xp.tanh(GELU_C * (u + 0.044715 * u * u * u))
-    return 0.5 * u * (1.0 + t), (u, t)
+    t = u * u
+    t *= GELU_CUBE
+    t += 1.0
+    t *= u
+    t *= GELU_C
+    xp.tanh(t, out=t)
+    g = t + 1.0
+    g *= u
+    g *= 0.5
+    return g, (u, t)
 
 
 def gelu_backward(cache, dy):
+    """``dy · (0.5·(1 + t) + 0.5·u·(1 − t²)·√(2/π)·(1 + 3·0.044715·u²))`` with ``t`` the
+    forward's tanh; two arrays the size of ``u`` made."""
     u, t = cache
-    return dy * (0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * u * u))
+    xp = array_module(u)
+    d = t * t
+    xp.subtract(1.0, d, out=d)
+    d *= u
+    d *= 0.5 * GELU_C
+    slope = u * u
+    slope *= 3 * GELU_CUBE
+    slope += 1.0
+    d *= slope
+    xp.add(t, 1.0, out=slope)
+    slope *= 0.5
+    d += slope
+    d *= f32(dy)
+    return d
 
 
 # -- cross-entropy ---------------------------------------------------------------------------
