@@ -28,6 +28,7 @@ computes the same number of unmasked (query chunk, key chunk) pairs, 2C+1.
 
 Shapes: q, k, v, o are ``(batch, heads, rows, head_dim)``.
 """
+import functools
 import math
 import time
 
@@ -65,14 +66,22 @@ def _pieces(spans):
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _causal_mask(xp, qa, qb, ka, kb):
+    """0 where key position ``j`` may be seen by query position ``i`` (j <= i), else −inf:
+    added to a block's scores in place (made once per span pair and array module)."""
+    hidden = np.arange(ka, kb)[None, :] > np.arange(qa, qb)[:, None]
+    return xp.asarray(np.where(hidden, -np.inf, 0.0).astype(np.float32))
+
+
 def _scores(q, k, qa, qb, ka, kb, scale):
     """Masked scores of query span [qa, qb) against key span [ka, kb); None if all masked."""
     if ka >= qb:  # every key comes after every query
         return None
-    s = (q @ k.swapaxes(-1, -2)) * scale
+    s = q @ k.swapaxes(-1, -2)
+    s *= scale
     if kb > qa + 1:  # some key comes after some query
-        hidden = np.arange(ka, kb)[None, :] > np.arange(qa, qb)[:, None]
-        s = array_module(s).where(array_module(s).asarray(hidden), -np.inf, s)
+        s += _causal_mask(array_module(s), qa, qb, ka, kb)
     return s
 
 
@@ -85,6 +94,7 @@ class Accumulator:
         self.m = xp.full(q.shape[:-1] + (1,), -np.inf, np.float32)
         self.l = xp.zeros(q.shape[:-1] + (1,), np.float32)
         self.o = xp.zeros(q.shape, np.float32)
+        self._seen = set()  # query spans that have met a key: the others take a block as it is
 
     def add(self, k, v, k_spans):
         xp = array_module(k)
@@ -93,13 +103,23 @@ class Accumulator:
                 s = _scores(self.q[..., qs, :], k[..., ks, :], qa, qb, ka, kb, self.scale)
                 if s is None:
                     continue
+                fresh, _ = qa not in self._seen, self._seen.add(qa)
+                if fresh and ka <= qa:  # the first block these rows see: no rescaling
+                    m_new = s.max(axis=-1, keepdims=True)
+                    s -= m_new  # key ka <= every query row: each row's maximum is finite
+                    xp.exp(s, out=s)
+                    self.l[..., qs, :] = s.sum(axis=-1, keepdims=True)
+                    self.o[..., qs, :] = s @ v[..., ks, :]
+                    self.m[..., qs, :] = m_new
+                    continue
                 m_old = self.m[..., qs, :]
                 m_new = xp.maximum(m_old, s.max(axis=-1, keepdims=True))
                 m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
                 alpha = xp.exp(m_old - m_safe)
-                p = xp.exp(s - m_safe)
-                self.l[..., qs, :] = self.l[..., qs, :] * alpha + p.sum(axis=-1, keepdims=True)
-                self.o[..., qs, :] = self.o[..., qs, :] * alpha + p @ v[..., ks, :]
+                s -= m_safe
+                xp.exp(s, out=s)  # the block's probabilities, unnormalised
+                self.l[..., qs, :] = self.l[..., qs, :] * alpha + s.sum(axis=-1, keepdims=True)
+                self.o[..., qs, :] = self.o[..., qs, :] * alpha + s @ v[..., ks, :]
                 self.m[..., qs, :] = m_new
 
     def finish(self):
@@ -116,9 +136,12 @@ def block_backward(q, k, v, q_spans, k_spans, lse, do, D, scale, dq):
             s = _scores(q[..., qs, :], k[..., ks, :], qa, qb, ka, kb, scale)
             if s is None:
                 continue
-            p = xp.exp(s - lse[..., qs, :])
-            dv[..., ks, :] += p.swapaxes(-1, -2) @ do[..., qs, :]
-            ds = p * (do[..., qs, :] @ v[..., ks, :].swapaxes(-1, -2) - D[..., qs, :])
+            s -= lse[..., qs, :]
+            xp.exp(s, out=s)  # P
+            dv[..., ks, :] += s.swapaxes(-1, -2) @ do[..., qs, :]
+            ds = do[..., qs, :] @ v[..., ks, :].swapaxes(-1, -2)
+            ds -= D[..., qs, :]
+            ds *= s
             dq[..., qs, :] += (ds @ k[..., ks, :]) * scale
             dk[..., ks, :] += (ds.swapaxes(-1, -2) @ q[..., qs, :]) * scale
     return dk, dv
