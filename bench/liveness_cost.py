@@ -107,7 +107,7 @@ def unit_costs(t, peer, poll):
     unit = {"_check_peers": best_us(lambda: t._check_peers("bench", peer), 20000),
             "await_room": best_us(lambda: t.await_room(peer, 0, 0, math.inf, "bench"), 50000),
             "on_retire": best_us(lambda: t.credit.on_retire(0), 50000)}
-    liveness = set(t._watch.fds) | {t._wake_in}
+    liveness = set(t.connections.watch.fds) | {t._wake_in}
     bare = [item for item in t._poll_all if item[0] not in liveness]
     full, without = best_us(lambda: poll(t._poll_all, 0), 5000), best_us(lambda: poll(bare, 0), 5000)
     unit["full poll"] = max(0.0, full - without)

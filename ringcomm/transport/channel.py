@@ -44,7 +44,7 @@ on each side (a Dekker pattern: receiver stores the flag then loads ``head``, se
 :func:`~.fence.fence` between them; were a bell missed anyway, it would cost one sleep
 slice, never a hang.
 
->>> a, b = Channel.pair(1 << 16)          # or Channel.create(path) / Channel.open(path)
+>>> a, b = Channel.pair(1 << 16)  # or Channel.create(path, capacity) / Channel.open(path, capacity)
 >>> a.send(b"hello"); bytes(b.recv(check=lambda: None))
 b'hello'
 """

@@ -1,12 +1,7 @@
 """A rank's shared-memory channels to and from its same-host peers (:mod:`.channel`), for a
-transport that also waits on sockets: it spins on every inbound channel at once, then marks
-them all dozing and sleeps in one poll of its sockets and the channels' bells.
-
->>> channels = PeerChannels(ranks_on_host=2)
->>> out = channels.create(peer, path)          # at start-up, this rank's end to ``peer``
->>> bell = channels.open(peer, path)           # ``peer``'s channel into this rank
->>> out.try_send(header, payload)              # False: full (send another way)
->>> for src, message in channels.messages(): ...
+transport that also waits on sockets: it spins on every inbound channel at once
+(:meth:`PeerChannels.wait_briefly`), then marks them all dozing and sleeps in one poll of its
+sockets and the channels' bells (those :meth:`PeerChannels.open` returns).
 """
 import contextlib
 import os
@@ -17,12 +12,16 @@ from .spin import default_spin, spin_until
 
 
 class PeerChannels:
-    """A rank's channels to and from its same-host peers, for a transport that also waits on
-    sockets: it sleeps in one poll of its sockets and of the bells :meth:`open` returns.
+    """A rank's channels to and from its same-host peers: the ones it creates (one to each
+    peer, :meth:`create`) and the ones it opens (each peer's into it, :meth:`open`), all of
+    ``capacity`` ring bytes.
 
-    >>> out = channels.create(peer, path)  # at start-up, this rank's end to ``peer``
-    >>> bell = channels.open(peer, path)   # ``peer``'s channel into this rank
-    >>> out.try_send(header, payload)      # the Channel's own method; False: full
+    >>> # rank 0, sharing its host with rank 1 (which does the same with the roles swapped)
+    >>> channels = PeerChannels(ranks_on_host=2)
+    >>> out = channels.create(1, path_0_to_1)   # at start-up, this rank's end to rank 1
+    >>> bell = channels.open(1, path_1_to_0)    # rank 1's channel into this rank: poll bell
+    >>> out.try_send(header, payload)           # a Channel's method; False: full
+    >>> if not channels.wait_briefly(): ...     # nothing came: sleep in the poll, then awake()
     >>> for src, message in channels.messages(): ...
     """
 

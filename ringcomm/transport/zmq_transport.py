@@ -1,11 +1,13 @@
-"""The ZeroMQ transport: one PULL socket in, one PUSH socket out per peer.
+"""The ZeroMQ transport: one PULL socket in, one PUSH socket out per peer, and shared memory
+to the peers of its host.
 
-Each rank binds one PULL socket (``ipc://`` for peers on its host, ``tcp://`` for the rest)
-and connects one PUSH socket to every peer at start-up, so a peer that dies is noticed even
-when this rank was not talking to it. How a lost peer is told from one that closed (its
-socket's monitor, its process, its goodbye and whom that goodbye blames) is
-:mod:`.connections`'s. A child forked from this rank cannot use the transport (every call
-raises :class:`CommError`) and closes its copies of the bells and pidfds at once.
+:class:`ZmqTransport` sends, waits and files what arrives into the mailbox; two parts it owns
+do the rest: ``connections`` (:class:`~.connections.Connections`: a PUSH socket to every
+peer, connected at start-up so that a peer that dies is noticed even when this rank was not
+talking to it; its monitor, the watched processes, the goodbyes and whom they blame) and
+``same_host`` (:class:`~.same_host.SameHost`: the lanes, channels and bells to the peers of
+this host). A child forked from this rank cannot use the transport (every call raises
+:class:`CommError`) and closes its copies of the bells and pidfds at once.
 
 Sends never block (no high-water mark). A message under ``ONE_FRAME_BYTES`` is one frame
 (header, then payload); a larger one two frames, so that the payload can go out zero-copy.
@@ -14,16 +16,9 @@ directly, so the caller must not modify it until :meth:`flush` returns, which th
 communicator calls at the end of every collective; smaller ones (every segment with the
 1 MiB segments used across hosts) are copied, which measured faster. Receives take
 ZeroMQ's buffer as it is (``copy=False``); the algorithm reduces or copies straight from it.
-
-Between ranks that share a host and its ``/dev/shm``, every message under the lane plan's
-``channel_max_bytes`` and every slot notice travels through a shared-memory channel to that
-peer (:mod:`.channel`), not through ZeroMQ; larger segments, up to one slot, through
-shared-memory lanes (:mod:`.shm`), the receiver reducing straight out of the slot (where the
-channel cannot run, lanes take segments from ``SHM_MIN_BYTES`` up). A rank waiting for
-messages spins briefly on its channels, then sleeps in one poll of its sockets and its
-channels' bells; a sender that finds it asleep writes a byte to the bell. BYE stays on
-ZeroMQ, behind any data sent there, and the receiver empties the sender's channel before it
-takes a BYE in.
+To a same-host peer, small messages and slot notices go through its channel and large
+segments through its lane instead (which go where: :mod:`.same_host`). A waiting rank spins
+briefly on its channels, then sleeps in one poll of its sockets, pidfds and bells.
 
 All sockets belong to the one thread that calls this object (ZeroMQ sockets are not
 thread-safe); ``ringcomm.engine`` makes that the communication thread.
@@ -39,15 +34,12 @@ import time
 import zmq
 
 from ..errors import CommError, CommTimeout, FrameError, PeerLost
-from . import frame, goodbye, liveness
+from . import frame, liveness
 from .base import Transport
-from .channel import largest_message, supported as channel_supported
 from .connections import Connections
-from .peer_channels import PeerChannels
-from .frame import Kind
 from .credit import window_from_env
+from .frame import Kind
 from .same_host import VIA_ZMQ, SameHost
-from .shm import InLanes
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +51,6 @@ ZERO_COPY_BYTES = int(os.environ.get("RINGCOMM_ZERO_COPY_BYTES", 4 << 20))
 # Messages smaller than this travel as one frame, header and payload joined (one copy, which
 # costs less than a second pyzmq send and receive call); larger ones as two frames.
 ONE_FRAME_BYTES = 64 << 10
-# Segments at least this large go through a shared-memory lane to same-host peers; below
-# it a ZeroMQ copy costs less than the slot bookkeeping.
-SHM_MIN_BYTES = int(os.environ.get("RINGCOMM_SHM_MIN_BYTES", 32 << 10))
 
 # How long close() waits for every peer's goodbye (one that is gone or stopped never sends it)
 CLOSE_WAIT = 1.5
@@ -70,18 +59,19 @@ _POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` builds an enum member
 _KIND_AT = 5  # the kind's byte in a packed header (frame.HEADER)
 # what a child forked from a rank may not call (see ZmqTransport._forked_child)
 _PARENT_ONLY = ("_send", "_post", "_send_slot", "take_slot", "_pump", "_glance", "_drain",
-                "_drain_pull", "_drain_channels", "flush", "open_lanes", "await_connections")
+                "_drain_pull", "flush", "open_lanes", "await_connections")
 
 
-class ZmqTransport(Connections, SameHost, Transport):
+class ZmqTransport(Transport):
     """Messages between ranks over ZeroMQ.
 
     ``pull`` is this rank's bound PULL socket; ``endpoints[r]`` the address to reach rank r,
     ``socket_ids[r]`` the id its inbound socket published (what a connection proof names).
-    ``lanes``: a :class:`~.same_host.LanePlan` for the shared-memory lanes to peers on this host (opened
-    by :meth:`open_lanes`), or ``None`` to send everything through ZeroMQ. ``processes``:
-    ``{peer: (pid, start time)}`` of the same-host peers whose processes to watch
-    (:func:`.liveness.watched`).
+    ``lanes``: a :class:`~.same_host.LanePlan` for the shared-memory lanes to peers on this
+    host (opened by :meth:`open_lanes`), or ``None`` to send everything through ZeroMQ.
+    ``processes``: ``{peer: (pid, start time)}`` of the same-host peers whose processes to
+    watch (:func:`.liveness.watched`). Its parts, ``connections`` and ``same_host``, are
+    made here from these (see the module).
     """
 
     def __init__(self, rank, world_size, context, pull, endpoints, socket_ids=None, grace=1.0,
@@ -90,58 +80,82 @@ class ZmqTransport(Connections, SameHost, Transport):
         self.collective_window = window_from_env()  # (see .credit)
         super().__init__(rank, world_size)
         self.bound = dict(bound or {})  # where this rank listens: {"ipc", "tcp", "id"}
-        self._plan = lanes
-        self._out_lanes = {}  # peer -> OutLane
-        self._in_lanes = InLanes(lanes.slots, lanes.slot_bytes) if lanes else None
-        self._lanes_in = set()   # peers whose lane into this rank is mapped
-        self._lane_errors = {}   # peer -> why its lane could not be mapped
-        self._channels = PeerChannels(len(lanes.peers) + 1) if lanes and channel_supported() else None
         self._ctx, self._pull = context, pull
         # ZeroMQ's notification descriptor for the PULL socket: readable when something
         # may have arrived since the socket last processed its commands (see _glance)
         self._pull_signal = select.poll()
         self._pull_signal.register(pull.getsockopt(zmq.FD), select.POLLIN)
         self._cleanup = list(cleanup)  # files to remove at close (the ipc socket)
-        self._guard = guard
-        self.grace, self.close_wait = grace, close_wait
-        self._poll_all = [(pull, zmq.POLLIN)]  # and every monitor socket, channel bell and pidfd
-        self._bells = {}  # bell file descriptor -> the peer whose channel it belongs to
-        self._channel_to = {}  # peer -> the channel this rank sends to it through
-        # per space (collective, point-to-point): payloads below the first number go through
-        # a channel (under the plan's channel_max_bytes, and small enough to fit one with
-        # their header however that is set); lanes take segments from the second up; ZeroMQ
-        # whatever falls between, or when a lane or channel is full. Point-to-point data may
-        # wait long for its receive (a pipeline neighbour runs ahead): in a lane slot it waits
-        # where it landed, out of a channel it would be copied into the receiver's heap as
-        # soon as the receiver looks, so it keeps lanes from SHM_MIN_BYTES.
-        inline_below = 0 if self._channels is None else \
-            min(lanes.channel_max_bytes, largest_message(self._channels.capacity) - frame.HEADER.size + 1)
-        self._limits = ((inline_below, max(SHM_MIN_BYTES, inline_below)),
-                        (min(inline_below, SHM_MIN_BYTES), SHM_MIN_BYTES))
-        self._connect(context, endpoints, socket_ids, guard, processes)  # (see .connections)
+        self._guard, self.close_wait = guard, close_wait
+        self.same_host = SameHost(rank=rank, world_size=world_size, plan=lanes, file=self._file,
+                                  bells_changed=self._repoll)
+        self.connections = Connections(rank=rank, world_size=world_size, context=context,
+                                       endpoints=endpoints, socket_ids=socket_ids, guard=guard,
+                                       processes=processes, grace=grace,
+                                       drain=lambda: self._drain())  # (a forked child's refusal holds)
+        # Transport's hooks, answered by the connections (no call of their own per wait)
+        self._check_peers, self._said_bye = self.connections.check_peers, self.connections.said_bye
         self._in_flight = collections.deque()  # MessageTrackers of zero-copy sends
         self._monitors_seen = 0.0  # when the monitor sockets were last polled
-        self.rejected = 0
+        self._rejected = 0  # frames through ZeroMQ refused (see rejected)
         # another thread's way to cut a wait short (see wake): a pipe in the poll
         self._wake_in, self._wake_out = os.pipe()
         os.set_blocking(self._wake_in, False)
         os.set_blocking(self._wake_out, False)
         self._wake_lock = threading.Lock()  # a wake() racing close() never writes a closed fd
-        self._poll_all.append((self._wake_in, zmq.POLLIN))
+        self._repoll()
         self._owner = os.getpid()
         liveness.guard_fork(self)
 
+    def _repoll(self):
+        """Rebuild the poll of every wait: the PULL socket, every monitor socket and pidfd
+        (:attr:`connections`), the wake pipe, and every channel bell (:attr:`same_host`)."""
+        parts = (self._pull, *self.connections.monitors, *self.connections.watch.fds, self._wake_in,
+                 *self.same_host.bells)
+        self._poll_all = [(item, _POLLIN) for item in parts]
+
+    @property
+    def lane_peers(self):  # (see Transport)
+        return self.same_host.peers
+
+    @property
+    def rejected(self):
+        """Frames refused (malformed, or from the wrong sender), through ZeroMQ or a channel."""
+        return self._rejected + self.same_host.rejected
+
+    def await_connections(self, deadline):
+        """Block until every peer connection completed its handshake (secret proven)."""
+        while not self.connections.connected(deadline):
+            self._pump(0.05)
+
+    def open_lanes(self, deadline):
+        """Create this rank's lanes to its same-host peers, announce them (LANE), and wait
+        until every peer's lane into this rank is mapped. Raises :class:`CommError` naming
+        the peer when a lane cannot be made or mapped."""
+        same_host = self.same_host
+        if same_host.plan is None:
+            return
+        lane = frame.pack(Kind.LANE, self.rank, frame.Key(0, frame.COLLECTIVE, 0, 0, 0), 0, bytes(16))
+        for peer in same_host.plan.peers:
+            same_host.create(peer)
+            self._post(peer, lane, b"")
+        while not same_host.mapped(deadline, self._said_bye):
+            self._check_peers("opening shared-memory lanes")
+            self._pump(0.05)
+
     # -- sending -------------------------------------------------------------------------
     def _send(self, dst, key, sig, payload, nbytes, copy):
-        self._check_open_to(dst)
-        inline_below, lane_min = self._limits[key.space]
+        if dst in self._said_bye:
+            self.connections.refuse_send(dst)
+        same_host = self.same_host
+        inline_below, lane_min = same_host.limits[key.space]
         header = frame.pack(Kind.DATA, self.rank, key, nbytes, sig)
         if nbytes < inline_below:
-            channel = self._channel_to.get(dst)
+            channel = same_host.channel_to.get(dst)
             if channel is not None and channel.try_send(header, payload):
                 return None
         elif nbytes >= lane_min:
-            lane = self._out_lanes.get(dst)
+            lane = same_host.out_lanes.get(dst)
             if lane is not None and nbytes <= lane.slot_bytes:
                 notice = lane.put(payload)
                 if notice is not None:
@@ -149,16 +163,18 @@ class ZmqTransport(Connections, SameHost, Transport):
         return self._post_zmq(dst, header, payload, nbytes, copy)  # (the channel was full or absent)
 
     def _post(self, dst, header, payload, copy=False):
-        self._check_open_to(dst)
+        if dst in self._said_bye:
+            self.connections.refuse_send(dst)
         nbytes = memoryview(payload).nbytes
-        channel = self._channel_to.get(dst)
-        if (channel is not None and nbytes < self._limits[0][0] and header[_KIND_AT] not in VIA_ZMQ
+        same_host = self.same_host
+        channel = same_host.channel_to.get(dst)
+        if (channel is not None and nbytes < same_host.limits[0][0] and header[_KIND_AT] not in VIA_ZMQ
                 and channel.try_send(header, payload)):  # not sent: full, use ZeroMQ
             return None
         return self._post_zmq(dst, header, payload, nbytes, copy)
 
     def _post_zmq(self, dst, header, payload, nbytes, copy):
-        sock = self._push[dst]
+        sock = self.connections.push[dst]
         try:
             if nbytes < ONE_FRAME_BYTES:  # one ZeroMQ frame: half the send and receive calls
                 sock.send(b"".join((header, payload)), zmq.NOBLOCK)
@@ -171,6 +187,23 @@ class ZmqTransport(Connections, SameHost, Transport):
             return None
         except zmq.Again:  # no high-water mark: only a connection that is gone does this
             raise PeerLost(f"rank {self.rank} cannot send to rank {dst}: not connected", rank=dst) from None
+
+    # -- lane slots a device fills and reads directly (Transport.take_slot) -----------------
+    def take_slot(self, dst, key, nbytes):
+        return self.same_host.take_slot(dst, key, nbytes)
+
+    def _send_slot(self, dst, key, sig, slot, nbytes):
+        if dst in self._said_bye:  # nothing announced: the slot is free again
+            self.same_host.give_back_slot(dst, slot)  # (once the notice is out, the receiver frees it)
+            self.connections.refuse_send(dst)
+        notice = self.same_host.notice(dst, slot)
+        self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
+
+    def give_back_slot(self, dst, slot):
+        self.same_host.give_back_slot(dst, slot)
+
+    def slot_of(self, payload):
+        return self.same_host.slot_of(payload)
 
     def flush(self, deadline, what):
         while self._in_flight:
@@ -185,13 +218,14 @@ class ZmqTransport(Connections, SameHost, Transport):
 
     # -- receiving -----------------------------------------------------------------------
     def _pump(self, timeout):  # noqa: C901 - a hot path (once per wait): one body, no helper calls
-        channels = self._channels
+        same_host = self.same_host
+        channels = same_host.channels
         dozing = False
         now = time.monotonic()
         if timeout > 0 and channels is not None:
             if channels.wait_briefly(self.eager()):
                 if now - self._monitors_seen < MONITOR_INTERVAL:
-                    self._drain_channels()  # what the spin found; ZeroMQ waits its turn
+                    same_host.drain()  # what the spin found; ZeroMQ waits its turn
                     return
                 timeout = 0  # no sleep, but a look at every socket
             else:
@@ -207,20 +241,20 @@ class ZmqTransport(Connections, SameHost, Transport):
                 if sock is self._pull:
                     self._drain_pull()  # the channels are drained below
                 elif type(sock) is int:  # a bell or a pidfd (one dropped earlier: skipped)
-                    if sock in self._bells:
-                        self._on_bell(sock)
+                    if sock in same_host.bells:
+                        same_host.on_bell(sock)
                     elif sock == self._wake_in:
                         self._woken()
-                    elif sock in self._watch.fds:  # that peer's process ended
-                        self._poll_all = [item for item in self._poll_all if item[0] != sock]
-                        self._on_exited(self._watch.exited(sock))
+                    elif sock in self.connections.watch.fds:  # that peer's process ended
+                        self.connections.on_pidfd(sock)
+                        self._repoll()
                 else:
-                    self._on_monitor(sock)
+                    self.connections.on_monitor(sock)
         finally:
             if dozing:
                 channels.awake()
         if channels is not None:
-            self._drain_channels()
+            same_host.drain()
 
     def wake(self):
         """Safe from any thread: end the current wait's sleep now (a revocation must reach
@@ -244,11 +278,9 @@ class ZmqTransport(Connections, SameHost, Transport):
         if header.kind < Kind.BYE or header.kind == Kind.SHM:  # data: the common case first
             self.mailbox.put(header, payload)
         elif header.kind == Kind.BYE:
-            if self._channels is not None:  # what it sent before its goodbye comes first
-                self._drain_channels(header.src)
-            self._said_bye.add(header.src)
-            if header.sig != goodbye.PLAIN:
-                self._bye_why[header.src] = goodbye.reason(header.sig, self.world_size)
+            if self.same_host.channels is not None:  # what it sent before its goodbye comes first
+                self.same_host.drain(header.src)
+            self.connections.on_bye(header.src, header.sig)
         elif not self._control(header):  # an ABORT
             self.mailbox.put(header, payload)
 
@@ -269,14 +301,14 @@ class ZmqTransport(Connections, SameHost, Transport):
         (this, :meth:`_drain`, the poll in :meth:`_pump`) drains it until it says nothing is
         left, so a quiet descriptor means no message; and the full poll every
         ``MONITOR_INTERVAL`` would catch one missed anyway."""
-        if self._channels is not None:
-            self._drain_channels()
+        if self.same_host.channels is not None:
+            self.same_host.drain()
         if self._pull_signal.poll(0):
             self._drain_pull()
 
     def _drain(self):
-        if self._channels is not None:
-            self._drain_channels()
+        if self.same_host.channels is not None:
+            self.same_host.drain()
         self._drain_pull()
 
     def _drain_pull(self):
@@ -297,15 +329,15 @@ class ZmqTransport(Connections, SameHost, Transport):
                 else:
                     raise FrameError(f"message of {len(parts)} frames, expected 1 or 2")
                 header = frame.unpack(head, len(payload), self.world_size, self.rank)
-                if header.kind in (Kind.SHM, Kind.LANE) and self._plan is None:
+                if header.kind in (Kind.SHM, Kind.LANE) and self.same_host.plan is None:
                     raise FrameError("shared-memory message, but this rank uses no lanes")
                 if header.kind == Kind.SHM:
-                    payload = self._in_lanes.take(header.src, bytes(payload), header.nbytes)
+                    payload = self.same_host.segment(header.src, payload, header.nbytes)
                 elif header.kind == Kind.LANE:
-                    self._map_lane(header.src)
+                    self.same_host.map_lane(header.src)
                     continue
             except FrameError as exc:
-                self.rejected += 1
+                self._rejected += 1
                 log.warning("rank %d rejected a frame: %s", self.rank, exc)
                 continue
             self._file(header, payload)
@@ -322,33 +354,28 @@ class ZmqTransport(Connections, SameHost, Transport):
                 self.flush(deadline, "close")
         except Exception as exc:  # closing must not fail; the data is lost either way
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
-        self._say_goodbye(deadline)
+        self.connections.say_goodbye(self.first_failure)
+        while self.connections.owed_goodbye() and time.monotonic() < deadline and self.stopping is None:
+            self._pump(0.05)
         self._close_sockets_and_fds()
         for hook in self.before_unmap:
             try:
                 hook()
             except Exception as exc:  # noqa: BLE001 - closing must not fail
                 log.warning("rank %d: %s", self.rank, exc)
-        for lane in self._out_lanes.values():
-            lane.close()
-        if self._channels is not None:
-            self._channels.close()
-        if self._in_lanes is not None:
-            self._in_lanes.close()
+        self.same_host.close()
         for path in self._cleanup:
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
     def _close_sockets_and_fds(self):
-        """The ZeroMQ sockets (:meth:`_hang_up`, then the PULL socket), the wake pipe, the
-        pidfds, the fork guard and the context."""
-        self._hang_up()
+        """The connections (sockets, pidfds), the PULL socket, the wake pipe, the guards, the context."""
+        self.connections.close()
         self._pull.close(linger=0)
         with self._wake_lock:
             wake_fds, (self._wake_in, self._wake_out) = (self._wake_in, self._wake_out), (-1, -1)
         for fd in wake_fds:
             os.close(fd)
-        self._watch.close()
         liveness.unguard_fork(self)
         if self._guard is not None:
             self._guard.stop()
@@ -357,11 +384,10 @@ class ZmqTransport(Connections, SameHost, Transport):
     def _forked_child(self):
         """In a child forked from this rank (see :mod:`.liveness`): close the child's copies
         of the bells and pidfds, and refuse every use. The ZeroMQ sockets stay as they are
-        (closing them in a forked child is unsafe) and are never touched again here; nor is
-        anything of the parent's removed at the child's exit."""
-        self._watch.close()
-        if self._channels is not None:
-            self._channels.forget_bells()
+        (closing them in a forked child is unsafe), never touched again; nor is anything of
+        the parent's removed at the child's exit."""
+        self.connections.watch.close()
+        self.same_host.forget_bells()
         owner, rank = self._owner, self.rank
 
         def refuse(*args, **kwargs):

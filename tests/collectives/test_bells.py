@@ -18,26 +18,26 @@ from ringcomm.transport import channel
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not channel.supported(), reason="the channel needs Linux on x86-64")]
 
-# Wraps ZmqTransport._on_bell and _pump: when a bell woke the poll, and whether it rang (the
-# bell stays) or hung up (the bell leaves); and when each pump began.
+# Wraps SameHost.on_bell and ZmqTransport._pump: when a bell woke the poll, and whether it
+# rang (the bell stays) or hung up (the bell leaves); and when each pump began.
 SPY = textwrap.dedent("""
     import json, os, resource, signal, threading, time
     import numpy as np
     import ringcomm
-    from ringcomm.transport import zmq_transport
+    from ringcomm.transport import same_host, zmq_transport
 
     rings, hangups, pumps = [], [], []
-    _on_bell, _pump = zmq_transport.ZmqTransport._on_bell, zmq_transport.ZmqTransport._pump
+    _on_bell, _pump = same_host.SameHost.on_bell, zmq_transport.ZmqTransport._pump
 
     def on_bell(self, bell):
         _on_bell(self, bell)
-        (rings if bell in self._bells else hangups).append(time.monotonic())
+        (rings if bell in self.bells else hangups).append(time.monotonic())
 
     def pump(self, timeout):
         pumps.append(time.monotonic())
         return _pump(self, timeout)
 
-    zmq_transport.ZmqTransport._on_bell, zmq_transport.ZmqTransport._pump = on_bell, pump
+    same_host.SameHost.on_bell, zmq_transport.ZmqTransport._pump = on_bell, pump
 
     def cpu():
         usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this rank
@@ -56,7 +56,7 @@ KILLED_WHILE_ASLEEP = SPY + textwrap.dedent("""
         threading.Timer(0.5, die).start()
         time.sleep(30)
         raise SystemExit("rank 1 was not killed")
-    bells = list(transport._bells)
+    bells = list(transport.same_host.bells)
     cpu0, t = cpu(), time.monotonic()
     try:
         comm.all_reduce(x)
@@ -64,7 +64,7 @@ KILLED_WHILE_ASLEEP = SPY + textwrap.dedent("""
     except ringcomm.PeerLost as exc:
         end = time.monotonic()
         print(json.dumps({"rank": exc.rank, "start": t, "end": end, "cpu": cpu() - cpu0,
-                          "bells": len(bells), "bells_left": len(transport._bells),
+                          "bells": len(bells), "bells_left": len(transport.same_host.bells),
                           "in_poll": [fd for fd, _ in transport._poll_all if fd in bells],
                           "hangups": hangups, "pumps": [p for p in pumps if p >= t],
                           "error": str(exc)}), flush=True)
@@ -187,7 +187,7 @@ def every_dtype_and_op(comm):
                 with np.errstate(all="ignore"):
                     comm.all_reduce(x, op=op, algorithm=algorithm)
                 results[(dtype, op, algorithm)] = x.tobytes()
-    channels = comm._engine.transport._channels
+    channels = comm._engine.transport.same_host.channels
     return results, channels is not None and bool(channels._in_list)
 
 

@@ -98,7 +98,7 @@ def test_a_forked_child_closes_its_bells_and_cannot_use_the_transport(tmp_path):
     pull = ctx.socket(zmq.PULL)
     pull.bind("inproc://liveness-fork")
     transport = ZmqTransport(0, 1, ctx, pull, ["inproc://liveness-fork"])
-    transport._channels = channels  # (a one-rank world has none of its own)
+    transport.same_host.channels = channels  # (a one-rank world has none of its own)
     read, write = os.pipe()
     go_read, go_write = os.pipe()  # closed by this process when the child may exit
     pid = os.fork()
@@ -133,6 +133,6 @@ def test_a_forked_child_closes_its_bells_and_cannot_use_the_transport(tmp_path):
         os.waitpid(pid, 0)
         os.close(read)
         inbound.close()
-        transport._channels = None
+        transport.same_host.channels = None
         channels.close()
         transport.close()
