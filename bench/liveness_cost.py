@@ -9,7 +9,7 @@ counts, on every rank of a real job under ``python -m ringcomm.launch``, how oft
 runs each piece those features put on the path, and times each piece alone on that rank's
 live transport (``timeit``, best of 5; the other ranks wait meanwhile):
 
-- ``_check_peers``: the liveness look every wait takes as it goes round (goodbyes, the
+- ``check_peers``: the liveness look every wait takes as it goes round (goodbyes, the
   /proc clock, peers gone since when);
 - the full poll (``zmq_poll`` with timeout 0) against the same poll without the pidfds and
   the wake pipe: the difference is what liveness adds to each full poll;
@@ -62,7 +62,7 @@ def measure(comm, size, calls, algorithm):
     for _ in range(200):
         np.copyto(x, 1)
         comm.all_reduce(x, algorithm=algorithm)
-    counters = {"_check_peers": Counter(t, "_check_peers"), "await_room": Counter(t, "await_room")}
+    counters = {"check_peers": Counter(t.wire, "check_peers"), "await_room": Counter(t, "await_room")}
     if t.credit is not None:
         counters["credit messages"] = Counter(t.credit, "_send")
         received = [Counter(t.credit, "on_want"), Counter(t.credit, "on_grant")]
@@ -103,15 +103,17 @@ def measure(comm, size, calls, algorithm):
 
 
 def unit_costs(t, peer, poll):
-    """µs each piece takes alone on transport ``t`` (``peer``: the one its checks name)."""
-    unit = {"_check_peers": best_us(lambda: t._check_peers("bench", peer), 20000),
+    """µs each piece takes alone on session ``t`` and its wire (``peer``: the one its checks
+    name)."""
+    w = t.wire
+    unit = {"check_peers": best_us(lambda: w.check_peers("bench", peer), 20000),
             "await_room": best_us(lambda: t.await_room(peer, 0, 0, math.inf, "bench"), 50000),
             "on_retire": best_us(lambda: t.credit.on_retire(0), 50000)}
-    liveness = set(t.connections.watch.fds) | {t._wake_in}
-    bare = [item for item in t._poll_all if item[0] not in liveness]
-    full, without = best_us(lambda: poll(t._poll_all, 0), 5000), best_us(lambda: poll(bare, 0), 5000)
+    liveness = set(w.connections.watch.fds) | {w._wake_in}
+    bare = [item for item in w._poll_all if item[0] not in liveness]
+    full, without = best_us(lambda: poll(w._poll_all, 0), 5000), best_us(lambda: poll(bare, 0), 5000)
     unit["full poll"] = max(0.0, full - without)
-    unit["_poll_fds"] = (len(t._poll_all), len(bare))
+    unit["_poll_fds"] = (len(w._poll_all), len(bare))
     unit["credit messages"], unit["credit received"] = control_message_us(t, peer)
     return unit
 
@@ -124,7 +126,7 @@ def control_message_us(t, peer):
     from ringcomm.transport.frame import Key, Kind
     header = frame.pack(Kind.GRANT, t.rank, Key(0, frame.COLLECTIVE, 0, 0, 0), 0, bytes(16))
     incoming = frame.pack(Kind.GRANT, peer, Key(0, frame.COLLECTIVE, 0, 0, 0), 0, bytes(16))
-    return (best_us(lambda: t._post(peer, header, b""), 200),
+    return (best_us(lambda: t.wire.post(peer, header, b""), 200),
             best_us(lambda: t._control(frame.unpack(incoming, 0, t.world_size, t.rank)), 20000))
 
 

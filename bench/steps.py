@@ -18,7 +18,8 @@ import numpy as np
 import ringcomm
 from ringcomm.units import human, parse_size
 from ringcomm.algorithms import ring
-from ringcomm.transport import base, mailbox, shm
+from ringcomm import session
+from ringcomm.transport import mailbox, shm
 
 TIMES = collections.defaultdict(list)
 SENT, ARRIVED = [], []
@@ -43,9 +44,9 @@ def stamped(stamps, fn):
 
 def instrument():
     shm.OutLane.put = timed("copy into slots", shm.OutLane.put)
-    base.Transport.recv = timed("wait for the peer", base.Transport.recv)
+    session.Session.recv = timed("wait for the peer", session.Session.recv)
     ring.reduce_into = timed("reduce out of slots", ring.reduce_into)
-    base.Transport.send = stamped(SENT, base.Transport.send)  # every data message, by any route
+    session.Session.send = stamped(SENT, session.Session.send)  # every data message, by any route
     mailbox.Mailbox.put = stamped(ARRIVED, mailbox.Mailbox.put)
 
 

@@ -217,7 +217,7 @@ class Link:
             raise self._blame(exc, src) from None
 
     def _blame(self, timeout, src):
-        """The timeout to raise after asking who stopped answering (see Transport.probe)."""
+        """The timeout to raise after asking who stopped answering (see Session.probe)."""
         if timeout.cause == "silent":  # a rank that failed a liveness check before: no new one
             return timeout
         me = self.ranks[self.rank]

@@ -13,6 +13,8 @@ from .comm import Communicator
 from .device import select as select_device
 from .engine import Engine
 from .errors import CommError
+from .session import Session
+from .transport.credit import window_from_env
 from .transport.local import LocalHub
 
 
@@ -55,10 +57,10 @@ def init(timeout: float | None = None, *, rank: int | None = None, world_size: i
     if info.world_size > 1:
         info.secret, info.secret_file = job_secret.resolve(info)
     if info.world_size == 1:
-        engine = Engine(lambda: LocalHub(1).transport(0), name="ringcomm-comm")
+        engine = Engine(lambda: Session(LocalHub(1).transport(0)), name="ringcomm-comm")
     else:
         from .transport import connect
-        engine = Engine(lambda: connect(info), name=f"ringcomm-comm-{info.rank}")
+        engine = Engine(lambda: Session(connect(info), window_from_env()), name=f"ringcomm-comm-{info.rank}")
     dev = select_device(device, info.local_rank, slot_bytes=info.segment_bytes)
     comm = Communicator(engine, ranks=range(info.world_size), rank=info.rank, comm_id=0, name="world",
                         timeout=info.timeout, segment_bytes=info.segment_bytes, is_world=True, device=dev,

@@ -1,5 +1,6 @@
-"""Transports: how bytes move between ranks. See :mod:`.base` for the interface,
-:mod:`.zmq_transport` for the real one, :mod:`.local` for unit tests."""
+"""Transports: how bytes move between ranks (the wire under :mod:`ringcomm.session`). See
+:mod:`.base` for the interface, :mod:`.zmq_transport` for the real one, :mod:`.local` for
+unit tests."""
 import contextlib
 import os
 import time
@@ -8,8 +9,7 @@ import zmq
 
 from .. import env
 from . import liveness, rendezvous
-from .base import P2P_WINDOW_BYTES
-from .credit import window_from_env
+from .credit import P2P_WINDOW_BYTES, window_from_env
 from .security import Guard
 from .tuning import raise_fd_limit, tune_malloc
 from . import shm

@@ -1,186 +1,100 @@
-"""What every transport offers the layers above, and the receive loop they share.
+"""The wire: what a transport does, and nothing about collectives.
 
 A transport moves (header, payload) messages between ranks identified by global rank
-numbers. It knows nothing about collectives: the keys and signatures it carries are opaque
-to it. Subclasses implement how bytes move (``_post``, ``_pump``) and how a lost peer is
-noticed (``_check_peers``); the waiting, deadlines and mailbox logic live here once.
+numbers; the keys and signatures it carries are opaque to it. It hands every arrival but its
+own bookkeeping (goodbyes, lane announcements) to one ``deliver(header, payload)`` callback,
+which its owner (:class:`ringcomm.session.Session`) sets with :meth:`attach`; what arrives
+before that is held and delivered then. A new transport (plain TCP, UCX) implements these:
 
-A liveness check finds who to blame when a wait times out (:meth:`probe`): this rank asks
-the collective's other ranks (PING) and each answers (PONG) whether it has not reached the
-collective, is inside it, or has finished it. Whichever thread moves messages answers, so a
-rank answers while it waits, while it works between calls (the communication thread moves
-messages when idle), but not when it is stopped, hung in native code or gone.
+- ``post(dst, header, payload, copy)``: queue one message, never blocking;
+- ``pump(timeout)``: deliver what arrived, waiting at most ``timeout`` seconds;
+- ``flush(deadline, what)``: wait until every payload handed over may be reused;
+- ``check_peers(what, src)``: raise :class:`PeerLost` for a peer known gone;
+- ``close(failure, wait)``: goodbye to every peer, then release everything;
+- and, where it has shared-memory lanes, the slots a device fills and reads directly.
+
+>>> wire = LocalHub(2).transport(0)
+>>> wire.attach(deliver, check)                # deliver(header, payload); check(what) raises
+>>> wire.post(1, frame.pack(Kind.DATA, 0, key, 3, sig), b"abc")
 """
-import collections
-import contextlib
-import os
-import struct
-import time
 from abc import ABC, abstractmethod
 
-from ..errors import CommError, CommTimeout, Revoked
 from . import frame
-from .credit import CollectiveCredit
-from .frame import COLLECTIVE, POINT_TO_POINT, Kind
-from .mailbox import Mailbox, abort_sig
-
-NOT_REACHED, INSIDE, FINISHED = 0, 1, 2  # a PONG's answer about one collective
-PROBE_WAIT = 1.0  # seconds a liveness check waits for answers
-# point-to-point bytes in flight to one peer before a send waits (see ringcomm.p2p)
-P2P_WINDOW_BYTES = int(os.environ.get("RINGCOMM_P2P_WINDOW_BYTES", 64 << 20))
-CREDIT = struct.Struct("<Q8x")  # a CREDIT's signature field: the bytes taken
+from .frame import Kind
 
 
 class Transport(ABC):
     lane_peers = frozenset()  # ranks reached through shared memory (see .zmq_transport)
-    _said_bye = frozenset()  # peers that said goodbye (a transport that carries BYEs fills it)
-    # collectives a rank may run ahead of a peer (see .credit); None: no window (the unit
-    # tests' in-process transport, whose tests number collectives freely)
-    collective_window = None
+    rejected = 0  # frames refused (malformed, or from the wrong sender)
 
     def __init__(self, rank, world_size):
         self.rank = rank
         self.world_size = world_size
         # global rank -> the name of its host (see rendezvous.host_id); one host unless told
         self.host_ids = (0,) * world_size
-        self.window = P2P_WINDOW_BYTES
-        self.mailbox = Mailbox(self.window, self.collective_window)
-        self.credit = None if self.collective_window is None else CollectiveCredit(
-            rank, self.collective_window, self._post, lambda comm_id: self.mailbox.retired(comm_id) + 1)
-        # comm id -> why every call on that communicator fails: set by a rank that revokes
-        # it (from any thread: see ringcomm.threads) and by another rank's Revoked abort
-        self.revoked = self.mailbox.revoked
-        self.unannounced = {}  # comm id -> (members, why): a revocation not yet told to them
-        # the first error a call on this rank failed with, set by the layers above: a rank
-        # that closes after a failure says whom that error blamed (see .connections)
-        self.first_failure = None
-        self.stopping = None  # why every wait now fails: the owner is closing (see stop)
-        self._unacked = collections.defaultdict(int)  # (peer, comm, tag) -> bytes in flight
-        self.running = {}   # comm id -> sequence number of the collective running here
-        self._answers = {}  # peer -> its PONG state for the probe in progress
-        self._probing = None  # (comm id, seq) of the probe in progress
         # whether a thread waits for what this thread is waiting for: then a wait spins
         # before it sleeps; else it yields the core and the GIL to the caller's compute (the
         # engine sets it: see Engine.eager)
         self.eager = lambda: True
-        self.before_unmap = []  # called before shared memory is unmapped at close (see .device)
+        self.before_unmap = []  # called before shared memory is unmapped at close (see ringcomm.device)
+        self._early = []  # what arrived before attach()
+        self.deliver = lambda header, payload: self._early.append((header, payload))
+        self.check = lambda what: None  # what a wait inside the wire checks (see attach)
 
-    # -- what subclasses provide -------------------------------------------------------
+    def attach(self, deliver, check):
+        """Hand every arrival to ``deliver(header, payload)`` from now on (and what came
+        before, now); ``check(what)``: what a wait inside the wire (:meth:`flush`) checks as
+        it goes round, raising to end it."""
+        early, self._early = self._early, []
+        self.deliver, self.check = deliver, check
+        for header, payload in early:
+            deliver(header, payload)
+
+    # -- what every transport provides --------------------------------------------------
     @abstractmethod
-    def _post(self, dst, header, payload, copy=False):
+    def post(self, dst, header, payload, copy=False):
         """Queue one message for ``dst``; must not block. ``payload`` stays untouched by
         the caller until :meth:`flush` returns. Returns a tracker (``.done``, ``.wait()``)
         when ZeroMQ reads ``payload`` in place, ``None`` when it was copied (always with
         ``copy=True``)."""
 
     @abstractmethod
-    def _pump(self, timeout):
-        """Move arrived messages into the mailbox, waiting at most ``timeout`` seconds."""
+    def pump(self, timeout):
+        """Deliver arrived messages, waiting at most ``timeout`` seconds."""
 
-    def _check_peers(self, what, src=None):  # noqa: B027 (a wire without it has nothing to do)
+    def send_data(self, dst, key, sig, payload, nbytes, copy):
+        """One DATA message of ``nbytes`` (a transport may carry it another way)."""
+        return self.post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload, copy)
+
+    def check_peers(self, what, src=None):  # noqa: B027 (a wire without it has nothing to do)
         """Raise :class:`PeerLost` if a peer (or ``src``, the one waited on) is known gone."""
 
-    def flush(self, deadline, what):  # noqa: B027 (a wire without it has nothing to do)
-        """Block until every payload handed to :meth:`send` may be reused by the caller."""
-
-    def close(self):  # noqa: B027 (a wire without it has nothing to do)
-        """Tell peers this rank is done and release every resource."""
-
-    # -- the shared part ---------------------------------------------------------------
-    def started(self, comm_id, seq):
-        """Collective ``seq`` of ``comm_id`` is running on this rank (for PONG answers)."""
-        self.running[comm_id] = seq
-
-    def _state(self, comm_id, seq):
-        if seq <= self.mailbox.retired(comm_id):
-            return FINISHED
-        return INSIDE if self.running.get(comm_id) == seq else NOT_REACHED
-
-    def _control(self, header):
-        """Handle a control message (PING, PONG, CREDIT, WANT, GRANT); True if ``header`` was
-        one."""
-        if self.mailbox.quiet:  # it answers again
-            self.mailbox.quiet.pop(header.src, None)
-        if header.kind == Kind.PING:
-            key = header.key
-            answer = frame.Key(key.comm_id, COLLECTIVE, key.seq, self._state(key.comm_id, key.seq), 0)
-            with contextlib.suppress(CommError):  # the asker is gone: nobody to answer
-                self._post(header.src, frame.pack(Kind.PONG, self.rank, answer, 0, bytes(16)), b"")
-            return True
-        if header.kind == Kind.CREDIT:
-            flow = (header.src, header.key.comm_id, header.key.step)
-            self._unacked[flow] = max(0, self._unacked[flow] - CREDIT.unpack(header.sig)[0])
-            return True
-        if header.kind == Kind.PONG:
-            if self._probing == (header.key.comm_id, header.key.seq):
-                self._answers[header.src] = header.key.step
-            return True
-        if header.kind == Kind.WANT or header.kind == Kind.GRANT:
-            if self.credit is not None:
-                on = self.credit.on_want if header.kind == Kind.WANT else self.credit.on_grant
-                on(header.src, header.key.comm_id, header.key.seq)
-            return True
+    def has_left(self, peer):
+        """True once ``peer`` said goodbye (a wire that carries goodbyes says so)."""
         return False
 
-    def probe(self, peers, comm_id, seq, wait=PROBE_WAIT):
-        """Ask ``peers`` (global ranks) about collective ``seq``; waits ``wait`` s at most.
+    def flush(self, deadline, what):  # noqa: B027 (a wire without it has nothing to do)
+        """Block until every payload handed to :meth:`post` may be reused by the caller."""
 
-        Returns ``(silent, not_reached)``: the peers that did not answer (stopped, hung, or
-        gone) and those that answered but have not started the collective."""
-        others = [p for p in peers if p != self.rank]
-        self._probing, self._answers = (comm_id, seq), {}
-        ping = frame.pack(Kind.PING, self.rank, frame.Key(comm_id, COLLECTIVE, seq, 0, 0), 0, bytes(16))
-        for peer in others:
-            with contextlib.suppress(Exception):  # a peer that cannot be asked stays silent
-                self._post(peer, ping, b"")
-        deadline = time.monotonic() + wait
-        while len(self._answers) < len(others) and time.monotonic() < deadline:
-            self._pump(0.02)
-        answers, self._probing = self._answers, None
-        silent = [p for p in others if p not in answers]
-        now = time.monotonic()
-        for peer in silent:  # until it is heard from, later waits for it fail at once
-            self.mailbox.quiet.setdefault(peer, now)
-        return silent, [p for p in others if answers.get(p) == NOT_REACHED]
+    def wake(self):  # noqa: B027 (a wire that never sleeps has nothing to cut short)
+        """Safe from any thread: cut short the sleep of a wait in progress (a revocation
+        then reaches it at once); a transport whose waits are short need do nothing."""
 
-    def _check_quiet(self, peer, what):
-        """Raise :class:`CommTimeout` if ``peer`` failed a liveness check at least
-        ``PROBE_WAIT`` ago and nothing came from it since (a late answer to that check
-        clears it): a queue of calls behind a stopped rank fails call by call at once, not
-        one deadline each."""
-        since = self.mailbox.quiet.get(peer)
-        if since is not None and time.monotonic() - since >= PROBE_WAIT:
-            self._pump(0)  # its answer may be in, unread
-            since = self.mailbox.quiet.get(peer)
-        if since is not None and time.monotonic() - since >= PROBE_WAIT:
-            raise CommTimeout(f"{what}: rank {peer} stopped answering (it did not answer a "
-                              f"liveness check {time.monotonic() - since:.1f} s ago and nothing "
-                              f"came from it since); rank {self.rank} gave up",
-                              rank=peer, cause="silent")
-
-    def send(self, dst, key, sig, payload, copy=False):
-        """Send ``payload`` (a contiguous array or bytes) to global rank ``dst``; returns
-        the tracker of a zero-copy send, else ``None``. ``copy=True``: never zero-copy."""
-        nbytes = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
-        if key.space == POINT_TO_POINT:
-            self._unacked[(dst, key.comm_id, key.step)] += nbytes
-        return self._send(dst, key, sig, payload, nbytes, copy)
+    def close(self, failure=None, wait=True):  # noqa: B027 (a wire without it has nothing to do)
+        """Tell peers this rank is done (``failure``: the first error a call failed with here,
+        whose blame a goodbye carries) and release every resource; ``wait``: flush and wait
+        (bounded) for the peers' goodbyes first."""
 
     # -- lane slots a device copies into and out of (see ringcomm.device) -------------------
     def take_slot(self, dst, key, nbytes):
         """A lane slot to ``dst`` for an ``nbytes`` segment of ``key`` that would go through a
         lane: ``(slot, writable uint8 array over the whole slot)``; ``None`` where there is
-        none (no lane, the wrong size, every slot in use). Fill it, then
-        :meth:`send_slot`, or :meth:`give_back_slot`."""
+        none (no lane, the wrong size, every slot in use). Fill it, then :meth:`send_slot`,
+        or :meth:`give_back_slot`."""
         return None
 
     def send_slot(self, dst, key, sig, slot, nbytes):
         """Send the ``nbytes`` segment written into the taken ``slot`` to ``dst``."""
-        if key.space == POINT_TO_POINT:
-            self._unacked[(dst, key.comm_id, key.step)] += nbytes
-        self._send_slot(dst, key, sig, slot, nbytes)
-
-    def _send_slot(self, dst, key, sig, slot, nbytes):
         raise NotImplementedError("this transport has no lanes")
 
     def give_back_slot(self, dst, slot):  # noqa: B027 (a wire without lanes has no slots)
@@ -189,171 +103,3 @@ class Transport(ABC):
     def slot_of(self, payload):
         """The whole lane slot (a uint8 array) a received ``payload`` lies in, or ``None``."""
         return None
-
-    def _send(self, dst, key, sig, payload, nbytes, copy):
-        """One DATA message (subclasses may carry it another way)."""
-        return self._post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload, copy)
-
-    # -- point-to-point flow control (see ringcomm.p2p) -------------------------------------
-    def window_left(self, flow):
-        """Bytes of point-to-point data this rank may still send on ``flow`` (peer,
-        communicator id, tag) before the receiver takes any."""
-        return self.window - self._unacked[flow]
-
-    def window_open(self, flow, nbytes, staged=0):
-        """True if ``nbytes`` more may go on ``flow`` now (always when nothing is in flight);
-        ``staged``: bytes queued for ``flow`` but not yet handed over, counted as in flight."""
-        in_flight = self._unacked[flow] + staged
-        return in_flight == 0 or in_flight + nbytes <= self.window
-
-    def wake(self):  # noqa: B027 (a wire that never sleeps has nothing to cut short)
-        """Safe from any thread: cut short the sleep of a wait in progress (a revocation
-        then reaches it at once); a transport whose waits are short need do nothing."""
-
-    def stop(self, why):
-        """Safe from any thread: every wait in progress or to come fails with
-        :class:`CommError` saying ``why`` (the owner closes without waiting for its calls)."""
-        self.stopping = why
-        self.wake()
-
-    def revoke(self, comm_id, members, why):
-        """Safe from any thread: revoke ``comm_id`` here (its collectives fail; a wait in
-        progress wakes to see it) and note that ``members`` are still to be told
-        (:meth:`announce_revoked`). False if it was revoked already (here or elsewhere,
-        and then every member was told)."""
-        if comm_id in self.revoked:
-            return False
-        self.unannounced[comm_id] = (members, why)
-        self.revoked.setdefault(comm_id, why)
-        self.wake()
-        return True
-
-    def announce_revoked(self, comm_id):
-        """Tell every member of ``comm_id`` once that this rank revoked it (a Revoked abort,
-        which revokes it there); a member that cannot be told does not stop the others."""
-        pending = self.unannounced.pop(comm_id, None)
-        if pending is None:
-            return
-        members, why = pending
-        for dst in members:
-            with contextlib.suppress(CommError):  # gone: its loss is reported on its own
-                self.abort([dst], comm_id, 0, Revoked(why))
-
-    def check_revoked(self, comm_id):
-        """Raise :class:`Revoked` if communicator ``comm_id`` was revoked here or elsewhere
-        (its collectives fail; point-to-point calls, numbered per peer and tag, go on)."""
-        why = self.revoked.get(comm_id)
-        if why is not None:
-            raise Revoked(why)
-
-    # -- collective flow control (see .credit) -------------------------------------------
-    def room(self, dst, comm_id, seq):
-        """True if data of collective ``seq`` of ``comm_id`` may go to ``dst`` now."""
-        return self.credit is None or self.credit.room(dst, comm_id, seq)
-
-    def await_room(self, dst, comm_id, seq, deadline, what):
-        """Wait until data of collective ``seq`` of ``comm_id`` may go to global rank ``dst``
-        (it has finished collective ``seq - window``); moves messages meanwhile. Raises
-        :class:`CommTimeout` naming ``dst`` at ``deadline``, :class:`PeerLost` if it is gone."""
-        credit = self.credit
-        if credit is None or credit.room(dst, comm_id, seq):
-            return
-        credit.stalls += 1
-        while not credit.room(dst, comm_id, seq):
-            self._check_waiting(dst, comm_id, what)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CommTimeout(
-                    f"{what}: rank {dst} has not finished collective #{seq - credit.window} "
-                    f"(this rank may run {credit.window} collectives ahead of it); rank "
-                    f"{self.rank} gave up waiting", rank=dst)
-            self._pump(min(remaining, 0.05))
-
-    def _check_waiting(self, peer, comm_id, what):
-        """What every wait for ``peer`` checks as it goes round: that it is not gone, nor
-        quiet since a liveness check, and (``comm_id`` of a collective) that the
-        communicator was not revoked."""
-        if self.stopping is not None:
-            raise CommError(f"{what}: {self.stopping}")
-        self._check_peers(what, peer)
-        if self.mailbox.quiet:
-            self._check_quiet(peer, what)
-        if comm_id is not None and self.revoked:
-            self.check_revoked(comm_id)
-
-    def has_left(self, peer):
-        """True once ``peer`` said goodbye: it sends nothing more, and what it sent before
-        is in the mailbox already (a BYE is taken in behind its sender's data)."""
-        return peer in self._said_bye
-
-    def check(self, peer, deadline, what):
-        """Raise if ``peer`` (None: no one in particular) is gone or ``deadline`` passed (for
-        a wait outside :meth:`recv`)."""
-        self._check_waiting(peer, None, what)
-        if time.monotonic() > deadline:
-            raise CommTimeout(f"{what}; rank {self.rank} gave up", rank=peer)
-
-    def _take(self, src, key, sig):
-        """The mailbox's payload for ``key`` (or ``None``); taking point-to-point data
-        returns its bytes to the sender's window (a CREDIT)."""
-        payload = self.mailbox.take(src, key, sig)
-        if payload is not None and key.space == POINT_TO_POINT:
-            credit = CREDIT.pack(memoryview(payload).nbytes)
-            try:  # noqa: SIM105 - every receive passes here: try costs nothing, suppress ~0.5 µs
-                self._post(src, frame.pack(Kind.CREDIT, self.rank, key, 0, credit), b"")
-            except CommError:  # the sender is gone: nobody waits for the credit
-                pass
-        return payload
-
-    def pump(self, timeout):
-        """Let arrived messages in (used by the engine while deferred work waits)."""
-        self._pump(timeout)
-
-    def poll(self, src, key, sig, deadline, what):
-        """Like :meth:`recv` but never waits: the payload, or ``None`` if not here yet."""
-        payload = self._take(src, key, sig)
-        if payload is None:
-            self._check_waiting(src, key.comm_id if key.space == COLLECTIVE else None, what)
-            if time.monotonic() > deadline:
-                raise CommTimeout(f"{what}: timed out waiting for rank {src}; rank {self.rank} gave up")
-        return payload
-
-    def recv(self, src, key, sig, deadline, what):
-        """The payload of message ``key`` from global rank ``src`` (a buffer), waiting
-        until ``deadline`` (``time.monotonic()``) at most."""
-        while True:
-            payload = self._take(src, key, sig)
-            if payload is not None:
-                return payload
-            self._check_waiting(src, key.comm_id if key.space == COLLECTIVE else None, what)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CommTimeout(
-                    f"{what}: timed out waiting for rank {src} "
-                    f"(step {key.step}, segment {key.segment}); rank {self.rank} gave up")
-            self._pump(min(remaining, 0.1))
-
-    def raise_news(self, comm_id, seq=None):
-        """Let arrived messages in, then raise what other ranks reported about communicator
-        ``comm_id`` (an :class:`~.mailbox.AbortNotice`): without ``seq``, an abort of a
-        collective that had already ended here; with ``seq``, an abort of collective ``seq``."""
-        self._pump(0)
-        if seq is None:
-            self.mailbox.raise_late(comm_id)
-        else:
-            self.mailbox.raise_notice(comm_id, seq)
-
-    def abort(self, peers, comm_id, seq, exc):
-        """Tell ``peers`` (global ranks) that collective ``seq`` failed here, and why."""
-        reason = str(exc).encode("utf-8")[: frame.MAX_ABORT_BYTES]
-        sig, key = abort_sig(exc), frame.Key(comm_id, COLLECTIVE, seq, 0, 0)
-        for dst in peers:
-            if dst != self.rank:
-                # that peer is gone (its loss is reported on its own); the rest must hear
-                with contextlib.suppress(CommError):
-                    self._post(dst, frame.pack(Kind.ABORT, self.rank, key, len(reason), sig), reason)
-
-    def retire(self, comm_id, seq, failed=False):
-        self.mailbox.retire(comm_id, seq, failed)
-        if self.credit is not None:
-            self.credit.on_retire(comm_id)

@@ -17,7 +17,7 @@ host are therefore also watched as processes (:mod:`.liveness`): a pidfd per pee
 same poll as the sockets (or, where none can be opened, ``/proc`` is read every
 ``liveness.PROC_LOOK_S`` at most), and a peer whose process ended counts as disconnected from
 that moment, with the same grace. Peers on other hosts have their disconnects and, at a
-deadline, the liveness check (PING/PONG, see :mod:`.base`).
+deadline, the liveness check (PING/PONG, see :mod:`ringcomm.session`).
 
 Goodbyes say why. A rank that closes after a call of its own failed puts in its BYE what that
 failure blamed (``first_failure``: the first error a call failed with here, which
@@ -27,9 +27,9 @@ for (or sending to) a rank whose BYE blames another raises :class:`PeerLost` nam
 blamed rank.
 
 >>> # rank 0 of 3 waits for rank 2, SIGKILLed; rank 1, which lost rank 2 too, has closed:
->>> transport.recv(2, key, sig, deadline, "all_reduce")
+>>> session.recv(2, key, sig, deadline, "all_reduce")     # (ringcomm.session, over this wire)
 PeerLost: all_reduce: rank 0 lost rank 2 (its process, pid 4242, ended without a goodbye: ...)
->>> transport.recv(1, key, sig, deadline, "all_reduce")   # blames rank 2, not rank 1
+>>> session.recv(1, key, sig, deadline, "all_reduce")     # blames rank 2, not rank 1
 PeerLost: all_reduce: rank 1 closed after losing rank 2, before sending what rank 0 waits for
 """
 import contextlib
@@ -64,7 +64,7 @@ class Connections:
     >>> connections = Connections(rank=0, world_size=2, context=ctx, endpoints=endpoints,
     ...                           grace=1.0, drain=transport._drain)
     >>> while not connections.connected(deadline):  # raises if rank 1 refused or ended
-    ...     transport._pump(0.05)                    # which calls on_monitor(monitor)
+    ...     transport.pump(0.05)                     # which calls on_monitor(monitor)
     >>> connections.check_peers("all_reduce", 1)     # raises PeerLost once rank 1 is gone
     """
 

@@ -38,6 +38,10 @@ from ..errors import CommError
 from . import frame
 from .frame import Kind
 
+# point-to-point bytes in flight to one peer before a send waits (see ringcomm.p2p and
+# ringcomm.session; the rendezvous checks every rank has the same)
+P2P_WINDOW_BYTES = int(os.environ.get("RINGCOMM_P2P_WINDOW_BYTES", 64 << 20))
+
 
 def window_from_env():
     """``RINGCOMM_COLLECTIVE_WINDOW``: collectives a rank may run ahead of a peer (>= 2)."""

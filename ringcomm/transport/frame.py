@@ -14,7 +14,7 @@ kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the p
                is a notice naming a shared-memory slot that holds the data), LANE (the
                sender's shared-memory lane to the receiver is ready; see ``.shm``), PING
                (are you alive, and where are you in collective ``seq``?), PONG (the
-               answer: ``step`` holds the state, see ``ringcomm.transport.base``), CREDIT
+               answer: ``step`` holds the state, see ``ringcomm.session``), CREDIT
                (the receiver took a point-to-point message: ``sig`` holds its byte count
                as a u64, see ``ringcomm.p2p``), WANT (the sender waits to send data of
                collective ``seq``), GRANT (the answer: ``seq`` holds how many collectives

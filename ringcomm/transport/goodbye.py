@@ -3,7 +3,7 @@
 A rank that closes says BYE to every peer. A peer still waiting for it must not blame it when
 it closed *because* of another rank: rank 0 that lost rank 2 in a receive and closed is not
 the cause of rank 1's wait. So a BYE carries, in its header's ``sig`` (16 bytes), what the
-closing rank's first failure (``Transport.first_failure``) blamed, laid out as an ABORT's
+closing rank's first failure (``Session.first_failure``, handed to the transport's close) blamed, laid out as an ABORT's
 (``mailbox.ABORT_SIG``, ``<BIB10x``); the key fields, ``nbytes`` and the payload stay zero
 and empty:
 

@@ -1,11 +1,11 @@
 """An in-process transport: ranks are threads of one process, messages go through queues.
 
-For unit tests of the algorithms layer only; it goes through the same framing, mailbox and
-wait logic as the ZeroMQ transport, and copies every payload (as a socket would) so an
+For unit tests of the algorithms layer only; under a :class:`ringcomm.session.Session` it
+goes through the same framing, mailbox and wait logic as the ZeroMQ transport, and copies every payload (as a socket would) so an
 algorithm that reuses a buffer too early is caught. ``hub.log`` records every message
 ``(src, dst, key, nbytes, kind)`` so tests can assert the *structure* of a schedule.
 
->>> hub = LocalHub(2); t0, t1 = hub.transport(0), hub.transport(1)
+>>> hub = LocalHub(2); t0, t1 = Session(hub.transport(0)), Session(hub.transport(1))
 >>> hub = LocalHub(4, hosts=[0, 0, 1, 1])  # ranks 0, 1 on one "host", 2, 3 on another
 """
 import queue
@@ -33,7 +33,7 @@ class LocalTransport(Transport):
         self.hub = hub
         self.host_ids = hub.hosts
 
-    def _post(self, dst, header, payload, copy=False):
+    def post(self, dst, header, payload, copy=False):
         data = bytes(memoryview(payload).cast("B")) if not isinstance(payload, bytes) else payload
         hdr = frame.HEADER.unpack(header)
         with self.hub._lock:
@@ -41,15 +41,13 @@ class LocalTransport(Transport):
                                  len(data), frame.Kind(hdr[2])))
         self.hub.queues[dst].put((header, data))
 
-    def _pump(self, timeout):
+    def pump(self, timeout):
         try:
             header, data = self.hub.queues[self.rank].get(timeout=timeout)
         except queue.Empty:
             return
         while True:
-            parsed = frame.unpack(header, len(data), self.world_size, self.rank)
-            if not self._control(parsed):
-                self.mailbox.put(parsed, data)
+            self.deliver(frame.unpack(header, len(data), self.world_size, self.rank), data)
             try:
                 header, data = self.hub.queues[self.rank].get_nowait()
             except queue.Empty:

@@ -58,7 +58,10 @@ class SameHost:
 
     The transport's send path reads ``limits``, ``channel_to`` and ``out_lanes`` directly (a
     dict lookup per message, no call) and its wait spins on ``channels``. What arrives
-    through a channel goes to ``file(header, payload)``; a frame refused is counted in
+    through a channel goes to ``file(header, payload)`` (the attribute ``file``: the
+    transport points it at its owner's ``deliver`` once it has one, so that a record goes
+    from the channel to the mailbox in one call; never a BYE or a LANE, which a channel
+    does not carry); a frame refused is counted in
     ``rejected`` and logged. ``bells_changed()`` is called whenever ``bells`` gains or loses
     one, for the transport to rebuild its poll.
 
@@ -73,7 +76,7 @@ class SameHost:
 
     def __init__(self, *, rank, world_size, plan, file, bells_changed):
         self.rank, self.world_size, self.plan = rank, world_size, plan
-        self._file, self._bells_changed = file, bells_changed
+        self.file, self._bells_changed = file, bells_changed
         self.out_lanes = {}  # peer -> OutLane
         self.in_lanes = InLanes(plan.slots, plan.slot_bytes) if plan else None
         self._mapped = set()     # peers whose lane into this rank is mapped
@@ -186,7 +189,7 @@ class SameHost:
             return
         size = frame.HEADER.size
         broken = len(channels.broken)
-        file = self._file
+        file = self.file
         for src, message in channels.messages(only):
             try:
                 header = frame.unpack(message[:size], len(message) - size, self.world_size, self.rank)

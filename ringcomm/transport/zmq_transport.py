@@ -1,7 +1,8 @@
 """The ZeroMQ transport: one PULL socket in, one PUSH socket out per peer, and shared memory
 to the peers of its host.
 
-:class:`ZmqTransport` sends, waits and files what arrives into the mailbox; two parts it owns
+:class:`ZmqTransport` sends, waits and delivers what arrives to its owner (a
+:class:`ringcomm.session.Session`, which files it into the mailbox); two parts it owns
 do the rest: ``connections`` (:class:`~.connections.Connections`: a PUSH socket to every
 peer, connected at start-up so that a peer that dies is noticed even when this rank was not
 talking to it; its monitor, the watched processes, the goodbyes and whom they blame) and
@@ -37,7 +38,6 @@ from ..errors import CommError, CommTimeout, FrameError, PeerLost
 from . import frame, liveness
 from .base import Transport
 from .connections import Connections
-from .credit import window_from_env
 from .frame import Kind
 from .same_host import VIA_ZMQ, SameHost
 
@@ -58,7 +58,7 @@ MONITOR_INTERVAL = 0.005  # how long zero-timeout pumps may skip polling the mon
 _POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` builds an enum member each time
 _KIND_AT = 5  # the kind's byte in a packed header (frame.HEADER)
 # what a child forked from a rank may not call (see ZmqTransport._forked_child)
-_PARENT_ONLY = ("_send", "_post", "_send_slot", "take_slot", "_pump", "_glance", "_drain",
+_PARENT_ONLY = ("send_data", "post", "send_slot", "take_slot", "pump", "_glance", "_drain",
                 "_drain_pull", "flush", "open_lanes", "await_connections")
 
 
@@ -77,7 +77,6 @@ class ZmqTransport(Transport):
     def __init__(self, rank, world_size, context, pull, endpoints, socket_ids=None, grace=1.0,
                  close_wait=CLOSE_WAIT, cleanup=(), guard=None, lanes=None, bound=None,
                  processes=None):
-        self.collective_window = window_from_env()  # (see .credit)
         super().__init__(rank, world_size)
         self.bound = dict(bound or {})  # where this rank listens: {"ipc", "tcp", "id"}
         self._ctx, self._pull = context, pull
@@ -93,8 +92,8 @@ class ZmqTransport(Transport):
                                        endpoints=endpoints, socket_ids=socket_ids, guard=guard,
                                        processes=processes, grace=grace,
                                        drain=lambda: self._drain())  # (a forked child's refusal holds)
-        # Transport's hooks, answered by the connections (no call of their own per wait)
-        self._check_peers, self._said_bye = self.connections.check_peers, self.connections.said_bye
+        # answered by the connections themselves (no call of the transport's own per wait)
+        self.check_peers, self._said_bye = self.connections.check_peers, self.connections.said_bye
         self._in_flight = collections.deque()  # MessageTrackers of zero-copy sends
         self._monitors_seen = 0.0  # when the monitor sockets were last polled
         self._rejected = 0  # frames through ZeroMQ refused (see rejected)
@@ -114,6 +113,10 @@ class ZmqTransport(Transport):
                  *self.same_host.bells)
         self._poll_all = [(item, _POLLIN) for item in parts]
 
+    def attach(self, deliver, check):
+        super().attach(deliver, check)
+        self.same_host.file = deliver  # a channel carries no BYE: its records skip _file
+
     @property
     def lane_peers(self):  # (see Transport)
         return self.same_host.peers
@@ -126,7 +129,7 @@ class ZmqTransport(Transport):
     def await_connections(self, deadline):
         """Block until every peer connection completed its handshake (secret proven)."""
         while not self.connections.connected(deadline):
-            self._pump(0.05)
+            self.pump(0.05)
 
     def open_lanes(self, deadline):
         """Create this rank's lanes to its same-host peers, announce them (LANE), and wait
@@ -138,13 +141,13 @@ class ZmqTransport(Transport):
         lane = frame.pack(Kind.LANE, self.rank, frame.Key(0, frame.COLLECTIVE, 0, 0, 0), 0, bytes(16))
         for peer in same_host.plan.peers:
             same_host.create(peer)
-            self._post(peer, lane, b"")
+            self.post(peer, lane, b"")
         while not same_host.mapped(deadline, self._said_bye):
-            self._check_peers("opening shared-memory lanes")
-            self._pump(0.05)
+            self.check_peers("opening shared-memory lanes")
+            self.pump(0.05)
 
     # -- sending -------------------------------------------------------------------------
-    def _send(self, dst, key, sig, payload, nbytes, copy):
+    def send_data(self, dst, key, sig, payload, nbytes, copy):
         if dst in self._said_bye:
             self.connections.refuse_send(dst)
         same_host = self.same_host
@@ -159,10 +162,10 @@ class ZmqTransport(Transport):
             if lane is not None and nbytes <= lane.slot_bytes:
                 notice = lane.put(payload)
                 if notice is not None:
-                    return self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
+                    return self.post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
         return self._post_zmq(dst, header, payload, nbytes, copy)  # (the channel was full or absent)
 
-    def _post(self, dst, header, payload, copy=False):
+    def post(self, dst, header, payload, copy=False):
         if dst in self._said_bye:
             self.connections.refuse_send(dst)
         nbytes = memoryview(payload).nbytes
@@ -192,12 +195,12 @@ class ZmqTransport(Transport):
     def take_slot(self, dst, key, nbytes):
         return self.same_host.take_slot(dst, key, nbytes)
 
-    def _send_slot(self, dst, key, sig, slot, nbytes):
+    def send_slot(self, dst, key, sig, slot, nbytes):
         if dst in self._said_bye:  # nothing announced: the slot is free again
             self.same_host.give_back_slot(dst, slot)  # (once the notice is out, the receiver frees it)
             self.connections.refuse_send(dst)
         notice = self.same_host.notice(dst, slot)
-        self._post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
+        self.post(dst, frame.pack(Kind.SHM, self.rank, key, nbytes, sig), notice, True)
 
     def give_back_slot(self, dst, slot):
         self.same_host.give_back_slot(dst, slot)
@@ -210,14 +213,14 @@ class ZmqTransport(Transport):
             if self._in_flight[0].done:
                 self._in_flight.popleft()
                 continue
-            self._check_waiting(None, None, what)
+            self.check(what)
             if time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: rank {self.rank} could not hand its data to the "
                                   f"network before the deadline")
-            self._pump(0.005)
+            self.pump(0.005)
 
     # -- receiving -----------------------------------------------------------------------
-    def _pump(self, timeout):  # noqa: C901 - a hot path (once per wait): one body, no helper calls
+    def pump(self, timeout):  # noqa: C901 - a hot path (once per wait): one body, no helper calls
         same_host = self.same_host
         channels = same_host.channels
         dozing = False
@@ -275,30 +278,20 @@ class ZmqTransport(Transport):
             pass
 
     def _file(self, header, payload):
-        if header.kind < Kind.BYE or header.kind == Kind.SHM:  # data: the common case first
-            self.mailbox.put(header, payload)
-        elif header.kind == Kind.BYE:
-            if self.same_host.channels is not None:  # what it sent before its goodbye comes first
-                self.same_host.drain(header.src)
-            self.connections.on_bye(header.src, header.sig)
-        elif not self._control(header):  # an ABORT
-            self.mailbox.put(header, payload)
+        if header.kind != Kind.BYE:  # everything but a goodbye goes to the owner
+            self.deliver(header, payload)
+            return
+        if self.same_host.channels is not None:  # what it sent before its goodbye comes first
+            self.same_host.drain(header.src)
+        self.connections.on_bye(header.src, header.sig)
 
-    def raise_news(self, comm_id, seq=None):
-        # Transport.raise_news with the quick look inlined: it runs twice per collective
-        if time.monotonic() - self._monitors_seen >= MONITOR_INTERVAL:
-            self._pump(0)
-        else:
-            self._glance()
-        if seq is None:
-            self.mailbox.raise_late(comm_id)
-        else:
-            self.mailbox.raise_notice(comm_id, seq)
+    def has_left(self, peer):
+        return peer in self._said_bye
 
     def _glance(self):
         """File what arrived, asking ZeroMQ (a costly option read) only when its descriptor
         says something may have come. Every path that makes the socket process its commands
-        (this, :meth:`_drain`, the poll in :meth:`_pump`) drains it until it says nothing is
+        (this, :meth:`_drain`, the poll in :meth:`pump`) drains it until it says nothing is
         left, so a quiet descriptor means no message; and the full poll every
         ``MONITOR_INTERVAL`` would catch one missed anyway."""
         if self.same_host.channels is not None:
@@ -343,20 +336,20 @@ class ZmqTransport(Transport):
             self._file(header, payload)
 
     # -- closing ---------------------------------------------------------------------------
-    def close(self):
-        """Say BYE to every peer (with what this rank's first failure blamed, if one did; see
-        :mod:`.connections`), wait (bounded) until each said BYE or is gone, then close.
-        After :meth:`stop` it neither flushes nor waits for BYEs: the owner asked not to wait."""
-        # stopped: only the BYE itself is still delivered (the sockets' linger)
-        deadline = time.monotonic() + (0 if self.stopping is not None else self.close_wait)
+    def close(self, failure=None, wait=True):
+        """Say BYE to every peer (with what ``failure``, this rank's first, blamed, if one did;
+        see :mod:`.connections`), wait (bounded) until each said BYE or is gone, then close.
+        Without ``wait`` (the owner was stopped) it neither flushes nor waits for BYEs."""
+        # not waiting: only the BYE itself is still delivered (the sockets' linger)
+        deadline = time.monotonic() + (self.close_wait if wait else 0)
         try:
-            if self.stopping is None:
+            if wait:
                 self.flush(deadline, "close")
         except Exception as exc:  # closing must not fail; the data is lost either way
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
-        self.connections.say_goodbye(self.first_failure)
-        while self.connections.owed_goodbye() and time.monotonic() < deadline and self.stopping is None:
-            self._pump(0.05)
+        self.connections.say_goodbye(failure)
+        while self.connections.owed_goodbye() and time.monotonic() < deadline and wait:
+            self.pump(0.05)
         self._close_sockets_and_fds()
         for hook in self.before_unmap:
             try:
@@ -396,4 +389,4 @@ class ZmqTransport(Transport):
                             f"a communicator of its own)")
         for name in _PARENT_ONLY:
             setattr(self, name, refuse)
-        self.close = lambda: None
+        self.close = lambda *args, **kwargs: None

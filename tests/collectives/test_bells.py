@@ -18,7 +18,7 @@ from ringcomm.transport import channel
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not channel.supported(), reason="the channel needs Linux on x86-64")]
 
-# Wraps SameHost.on_bell and ZmqTransport._pump: when a bell woke the poll, and whether it
+# Wraps SameHost.on_bell and ZmqTransport.pump: when a bell woke the poll, and whether it
 # rang (the bell stays) or hung up (the bell leaves); and when each pump began.
 SPY = textwrap.dedent("""
     import json, os, resource, signal, threading, time
@@ -27,7 +27,7 @@ SPY = textwrap.dedent("""
     from ringcomm.transport import same_host, zmq_transport
 
     rings, hangups, pumps = [], [], []
-    _on_bell, _pump = same_host.SameHost.on_bell, zmq_transport.ZmqTransport._pump
+    _on_bell, _pump = same_host.SameHost.on_bell, zmq_transport.ZmqTransport.pump
 
     def on_bell(self, bell):
         _on_bell(self, bell)
@@ -37,7 +37,7 @@ SPY = textwrap.dedent("""
         pumps.append(time.monotonic())
         return _pump(self, timeout)
 
-    same_host.SameHost.on_bell, zmq_transport.ZmqTransport._pump = on_bell, pump
+    same_host.SameHost.on_bell, zmq_transport.ZmqTransport.pump = on_bell, pump
 
     def cpu():
         usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this rank
@@ -48,7 +48,7 @@ KILLED_WHILE_ASLEEP = SPY + textwrap.dedent("""
     comm = ringcomm.init()
     x = np.full(16, comm.rank + 1.0, np.float32)
     comm.all_reduce(x)  # every channel is open and used
-    transport = comm._engine.transport
+    transport = comm._engine.transport.wire
     if comm.rank == 1:  # asleep in Python, not in a collective, when it is killed
         def die():
             print(f"killed={time.monotonic():.6f}", flush=True)
@@ -187,7 +187,7 @@ def every_dtype_and_op(comm):
                 with np.errstate(all="ignore"):
                     comm.all_reduce(x, op=op, algorithm=algorithm)
                 results[(dtype, op, algorithm)] = x.tobytes()
-    channels = comm._engine.transport.same_host.channels
+    channels = comm._engine.transport.wire.same_host.channels
     return results, channels is not None and bool(channels._in_list)
 
 

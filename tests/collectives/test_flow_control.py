@@ -55,7 +55,7 @@ FLOOD = textwrap.dedent("""
         def flood(transport):
             for i in range(20):
                 key = frame.Key(comm.comm_id, 1, i, 3, 0)
-                transport._post(1, frame.pack(frame.Kind.DATA, 0, key, payload.nbytes, sig), payload, True)
+                transport.wire.post(1, frame.pack(frame.Kind.DATA, 0, key, payload.nbytes, sig), payload, True)
         with comm._engine.lock:
             work = comm._engine.submit(flood, "flood")
         work.wait()

@@ -26,7 +26,7 @@ SECRET = "0" * 32  # what the harness gives its jobs
 
 
 def endpoints(comm):
-    transport = comm._engine.transport
+    transport = comm._engine.transport.wire
     return transport.bound, transport.rejected
 
 
@@ -363,7 +363,7 @@ def test_a_flood_of_connections_from_another_user_degrades_nothing(pools, low_li
 
 ONE_HOST = JOIN + textwrap.dedent("""
     from ringcomm.secret import derived
-    guard = comm._engine.transport._guard
+    guard = comm._engine.transport.wire._guard
     print("derived", guard.secret == derived("127.0.0.1", int(__import__("os").environ["MASTER_PORT"])))
 """)
 

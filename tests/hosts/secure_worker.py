@@ -17,7 +17,7 @@ MARKER = b"RINGCOMM-PAYLOAD-IN-CLEAR:"
 
 def main(directory):
     comm = ringcomm.init()
-    transport = comm._engine.transport
+    transport = comm._engine.transport.wire
     if comm.rank == 0:
         with open(os.path.join(directory, "address.tmp"), "w") as f:
             json.dump({"tcp": transport.bound["tcp"], "rejected": transport.rejected}, f)
@@ -33,7 +33,7 @@ def main(directory):
     ok = bool(np.array_equal(mine, payload) and np.all(x == 3.0))
     if comm.rank == 0:
         with open(os.path.join(directory, "result"), "w") as f:
-            json.dump({"ok": ok, "rejected": transport.rejected, "encrypted": comm._engine.transport._guard.encrypt}, f)
+            json.dump({"ok": ok, "rejected": transport.rejected, "encrypted": transport._guard.encrypt}, f)
     comm.close()
 
 

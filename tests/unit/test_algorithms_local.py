@@ -17,6 +17,7 @@ from ringcomm.link import Link, Stats
 from ringcomm.ops import parse_op
 from ringcomm.transport.frame import Kind
 from ringcomm.topology import Topology
+from ringcomm.session import Session
 from ringcomm.transport.local import LocalHub
 from ringcomm.transport.mailbox import AbortNotice
 
@@ -53,7 +54,7 @@ def run_ranks(n, body, *, dtype=np.float32, sig=None, sigs=None, timeout=10.0, t
     """Run ``body(rank, link)`` for every rank in its own thread, on one shared LocalHub
     (``hosts[r]``: rank r's host; the links then carry that topology)."""
     hub = LocalHub(n, hosts)
-    transports = [hub.transport(r) for r in range(n)]
+    transports = [Session(hub.transport(r)) for r in range(n)]
     if sigs is None:
         sigs = [sig if sig is not None else signature.pack("all_reduce", dtype, "sum", "ring", 0, 0)] * n
     timeouts = timeouts or [timeout] * n
@@ -592,7 +593,7 @@ def test_poisoned_rank_fails_its_next_collective_even_if_it_only_sends():
     """The communicator checks for poison before every collective, so even a next collective
     in which this rank only sends (a ring broadcast root) fails; it fails exactly once."""
     hub = LocalHub(2)
-    t0, t1 = hub.transport(0), hub.transport(1)
+    t0, t1 = Session(hub.transport(0)), Session(hub.transport(1))
     t0.retire(0, 0)  # rank 0 finished collective #0 (it only sent)
     t1.abort([0, 1], 0, 0, CommTimeout("rank 1 timed out in #0"))
     t0.pump(1.0)     # the late abort is now in rank 0's mailbox

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from ringcomm.engine import Engine
+from ringcomm.session import Session
 from ringcomm.transport.local import LocalHub
 
 pytestmark = pytest.mark.timeout(30)
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 def engine():
-    e = Engine(lambda: LocalHub(1).transport(0), name="test-engine")
+    e = Engine(lambda: Session(LocalHub(1).transport(0)), name="test-engine")
     yield e
     e.close()
 

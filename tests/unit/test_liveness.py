@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from ringcomm.errors import CommError
+from ringcomm.session import Session
 from ringcomm.transport import liveness
 from ringcomm.transport.frame import Key
 from ringcomm.transport.peer_channels import PeerChannels
@@ -99,6 +100,7 @@ def test_a_forked_child_closes_its_bells_and_cannot_use_the_transport(tmp_path):
     pull.bind("inproc://liveness-fork")
     transport = ZmqTransport(0, 1, ctx, pull, ["inproc://liveness-fork"])
     transport.same_host.channels = channels  # (a one-rank world has none of its own)
+    session = Session(transport)  # what the layers above call: it must reach the refusals
     read, write = os.pipe()
     go_read, go_write = os.pipe()  # closed by this process when the child may exit
     pid = os.fork()
@@ -107,11 +109,11 @@ def test_a_forked_child_closes_its_bells_and_cannot_use_the_transport(tmp_path):
         os.close(go_write)
         try:
             try:
-                transport.send(0, Key(0, 0, 0, 0, 0), bytes(16), b"x")
+                session.send(0, Key(0, 0, 0, 0, 0), bytes(16), b"x")
                 said = b"sent"
             except CommError as exc:
                 said = b"refused" if b"forked" in str(exc).encode() else b"other"
-            transport.close()  # a no-op: nothing of the parent's is touched
+            session.close()  # a no-op: nothing of the parent's is touched
             os.write(write, said + (b" closed" if out.bell == -1 else b" open"))
             os.read(go_read, 1)  # alive, holding whatever it did not close, until told
         finally:
@@ -127,7 +129,7 @@ def test_a_forked_child_closes_its_bells_and_cannot_use_the_transport(tmp_path):
         events = select.poll()
         events.register(bell, select.POLLIN)
         assert any(e & select.POLLHUP for _, e in events.poll(1000))
-        assert transport.flush(time.monotonic() + 1, "flush") is None  # the parent's is intact
+        assert session.flush(time.monotonic() + 1, "flush") is None  # the parent's is intact
     finally:
         os.close(go_write)
         os.waitpid(pid, 0)
@@ -135,4 +137,4 @@ def test_a_forked_child_closes_its_bells_and_cannot_use_the_transport(tmp_path):
         inbound.close()
         transport.same_host.channels = None
         channels.close()
-        transport.close()
+        session.close()

@@ -8,6 +8,7 @@ import pytest
 from ringcomm.errors import (CollectiveMismatch, CommError, CommTimeout, FrameError, PeerLost, Revoked,
                              SignatureMismatch)
 from ringcomm.transport.frame import Header, Key, Kind
+from ringcomm.session import Session
 from ringcomm.transport.local import LocalHub
 from ringcomm.collective import error_for
 from ringcomm.transport.mailbox import ABORT_CLASSES, ABORT_SIG, NO_RANK, AbortNotice, Mailbox, abort_code
@@ -376,10 +377,10 @@ def test_retire_is_monotonic():
 
 def test_transport_abort_reaches_waiting_peer():
     hub = LocalHub(3)
-    t0, t1, t2 = (hub.transport(r) for r in range(3))
+    t0, t1, t2 = (Session(hub.transport(r)) for r in range(3))
     t2.abort([0, 1, 2], 0, 6, PeerLost("rank 1 went away", rank=1))
     assert all(ABORT_SIG.unpack(raw_sig) == (3, 1, 0) for raw_sig in (
-        t0.hub.queues[0].queue[0][0][40:], t1.hub.queues[1].queue[0][0][40:]))
+        hub.queues[0].queue[0][0][40:], hub.queues[1].queue[0][0][40:]))
     assert [(src, dst, kind) for src, dst, _, _, kind in hub.log] == [
         (2, 0, Kind.ABORT), (2, 1, Kind.ABORT)]
     start = time.monotonic()
@@ -393,7 +394,7 @@ def test_transport_abort_reaches_waiting_peer():
 
 def test_transport_abort_reason_is_truncated():
     hub = LocalHub(2)
-    t0, t1 = hub.transport(0), hub.transport(1)
+    t0, t1 = Session(hub.transport(0)), Session(hub.transport(1))
     t1.abort([0], 0, 0, CommError("x" * 10_000))
     assert hub.log[0][3] == 4096
     with pytest.raises(CommError):
@@ -402,7 +403,7 @@ def test_transport_abort_reason_is_truncated():
 
 def test_transport_recv_times_out_naming_the_peer():
     hub = LocalHub(2)
-    t0 = hub.transport(0)
+    t0 = Session(hub.transport(0))
     start = time.monotonic()
     with pytest.raises(CommTimeout, match=r"rank 1.*step 4, segment 2"):
         t0.recv(1, Key(0, 0, 0, 4, 2), SIG_A, time.monotonic() + 0.3, "test")
@@ -411,7 +412,7 @@ def test_transport_recv_times_out_naming_the_peer():
 
 def test_transport_delivers_copy_of_payload():
     hub = LocalHub(2)
-    t0, t1 = hub.transport(0), hub.transport(1)
+    t0, t1 = Session(hub.transport(0)), Session(hub.transport(1))
     x = np.arange(4, dtype=np.uint8)
     t1.send(0, Key(0, 0, 0, 0, 0), SIG_A, x)
     x[:] = 9  # the sender reuses its buffer: the message must not change
@@ -422,13 +423,13 @@ def test_transport_delivers_copy_of_payload():
 
 def test_transport_poll_never_waits():
     hub = LocalHub(2)
-    t0, t1 = hub.transport(0), hub.transport(1)
+    t0, t1 = Session(hub.transport(0)), Session(hub.transport(1))
     key = Key(0, 1, 0, 3, 0)
     start = time.monotonic()
     assert t0.poll(1, key, SIG_A, time.monotonic() + 5, "test") is None
     assert time.monotonic() - start < 0.05
     t1.send(0, key, SIG_A, b"hi")
-    t0._pump(1.0)
+    t0.pump(1.0)
     assert bytes(t0.poll(1, key, SIG_A, time.monotonic() + 5, "test")) == b"hi"
     with pytest.raises(CommTimeout, match="rank 1"):
         t0.poll(1, key, SIG_A, time.monotonic() - 1, "test")

@@ -11,8 +11,11 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ringcomm"
 
 # layer -> the modules and packages it must never import (every import, lazy ones too)
 ABOVE = {
-    "ringcomm.transport": ("ringcomm.comm", "ringcomm.collective", "ringcomm.engine", "ringcomm.link",
-                           "ringcomm.algorithms", "ringcomm.train", "ringcomm.torch", "ringcomm.device"),
+    "ringcomm.transport": ("ringcomm.session", "ringcomm.comm", "ringcomm.collective", "ringcomm.engine",
+                           "ringcomm.link", "ringcomm.algorithms", "ringcomm.train", "ringcomm.torch", "ringcomm.device"),
+    # the protocol over the wire: below every layer that makes calls
+    "ringcomm.session": ("ringcomm.comm", "ringcomm.collective", "ringcomm.engine", "ringcomm.link",
+                         "ringcomm.algorithms", "ringcomm.train", "ringcomm.torch", "ringcomm.device"),
     "ringcomm.device": ("ringcomm.comm", "ringcomm.collective", "ringcomm.engine", "ringcomm.link",
                         "ringcomm.algorithms", "ringcomm.train", "ringcomm.torch", "ringcomm.transport"),
     "ringcomm.arrays": ("ringcomm.comm", "ringcomm.device", "ringcomm.transport", "ringcomm.train"),
