@@ -378,5 +378,5 @@ class Session:
 
     def close(self):
         """Tell peers this rank is done (with whom its first failure blamed) and release the
-        wire; after :meth:`stop`, without waiting for anything."""
-        self.wire.close(failure=self.first_failure, wait=self.stopping is None)
+        wire; after :meth:`stop` (before this or while it waits), without waiting any more."""
+        self.wire.close(failure=self.first_failure, waiting=lambda: self.stopping is None)

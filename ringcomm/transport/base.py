@@ -10,7 +10,7 @@ before that is held and delivered then. A new transport (plain TCP, UCX) impleme
 - ``pump(timeout)``: deliver what arrived, waiting at most ``timeout`` seconds;
 - ``flush(deadline, what)``: wait until every payload handed over may be reused;
 - ``check_peers(what, src)``: raise :class:`PeerLost` for a peer known gone;
-- ``close(failure, wait)``: goodbye to every peer, then release everything;
+- ``close(failure, waiting)``: goodbye to every peer, then release everything;
 - and, where it has shared-memory lanes, the slots a device fills and reads directly.
 
 >>> wire = LocalHub(2).transport(0)
@@ -80,9 +80,10 @@ class Transport(ABC):
         """Safe from any thread: cut short the sleep of a wait in progress (a revocation
         then reaches it at once); a transport whose waits are short need do nothing."""
 
-    def close(self, failure=None, wait=True):  # noqa: B027 (a wire without it has nothing to do)
+    def close(self, failure=None, waiting=lambda: True):  # noqa: B027 (a wire without it has nothing to do)
         """Tell peers this rank is done (``failure``: the first error a call failed with here,
-        whose blame a goodbye carries) and release every resource; ``wait``: flush and wait
+        whose blame a goodbye carries) and release every resource; while ``waiting()`` (asked
+        again at each pass: another thread may stop the owner meanwhile), flush and wait
         (bounded) for the peers' goodbyes first."""
 
     # -- lane slots a device copies into and out of (see ringcomm.device) -------------------

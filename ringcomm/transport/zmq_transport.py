@@ -336,19 +336,20 @@ class ZmqTransport(Transport):
             self._file(header, payload)
 
     # -- closing ---------------------------------------------------------------------------
-    def close(self, failure=None, wait=True):
+    def close(self, failure=None, waiting=lambda: True):
         """Say BYE to every peer (with what ``failure``, this rank's first, blamed, if one did;
         see :mod:`.connections`), wait (bounded) until each said BYE or is gone, then close.
-        Without ``wait`` (the owner was stopped) it neither flushes nor waits for BYEs."""
+        Once ``waiting()`` is false (the owner was stopped, perhaps meanwhile, from another
+        thread) it neither flushes nor waits for BYEs any more."""
         # not waiting: only the BYE itself is still delivered (the sockets' linger)
-        deadline = time.monotonic() + (self.close_wait if wait else 0)
+        deadline = time.monotonic() + (self.close_wait if waiting() else 0)
         try:
-            if wait:
-                self.flush(deadline, "close")
+            if waiting():
+                self.flush(deadline, "close")  # (a stop meanwhile ends it: see Session.stop)
         except Exception as exc:  # closing must not fail; the data is lost either way
             log.warning("rank %d closing with undelivered data: %s", self.rank, exc)
         self.connections.say_goodbye(failure)
-        while self.connections.owed_goodbye() and time.monotonic() < deadline and wait:
+        while self.connections.owed_goodbye() and time.monotonic() < deadline and waiting():
             self.pump(0.05)
         self._close_sockets_and_fds()
         for hook in self.before_unmap:

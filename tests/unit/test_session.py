@@ -138,8 +138,8 @@ def test_a_stopped_session_fails_every_wait_and_closes_the_wire_without_waiting(
     closed = []
 
     class Wire(RecordingWire):
-        def close(self, failure=None, wait=True):
-            closed.append((failure, wait))
+        def close(self, failure=None, waiting=lambda: True):
+            closed.append((failure, waiting()))
     s = Session(Wire())
     s.first_failure = PeerLost("rank 2 went away", rank=2)
     s.stop("the owner closed")
@@ -147,3 +147,35 @@ def test_a_stopped_session_fails_every_wait_and_closes_the_wire_without_waiting(
         s.recv(1, Key(0, COLLECTIVE, 0, 0, 0), SIG, time.monotonic() + 10, "all_reduce")
     s.close()
     assert closed == [(s.first_failure, False)]
+
+
+def test_a_stop_while_close_waits_for_goodbyes_ends_the_wait(tmp_path):
+    """Over the ZeroMQ wire (two ranks in this process): rank 0 closes while rank 1 has not;
+    another thread stops rank 0's session 0.3 s in (an engine's close after its grace), and
+    close returns then, not after the whole wait for rank 1's goodbye."""
+    import threading
+
+    import zmq
+
+    from ringcomm.transport.zmq_transport import ZmqTransport
+    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
+    contexts = [zmq.Context() for _ in range(2)]
+    pulls = [ctx.socket(zmq.PULL) for ctx in contexts]
+    for pull, endpoint in zip(pulls, endpoints, strict=True):
+        pull.bind(endpoint)
+    sessions = [Session(ZmqTransport(r, 2, contexts[r], pulls[r], endpoints, close_wait=5.0)) for r in range(2)]
+    deadline = time.monotonic() + 10
+    while not all(s.wire.connections.connected(deadline) for s in sessions):
+        for s in sessions:
+            s.pump(0.01)
+    stopper = threading.Timer(0.3, sessions[0].stop, ("closing now",))
+    stopper.start()
+    start = time.monotonic()
+    try:
+        sessions[0].close()
+        took = time.monotonic() - start
+    finally:
+        stopper.join()
+        sessions[1].stop("done")
+        sessions[1].close()
+    assert 0.25 < took < 2.5, f"close took {took:.2f} s (stopped after 0.3 s; it would wait 5 s)"
