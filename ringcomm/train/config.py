@@ -68,6 +68,9 @@ class TrainConfig:
                        choices=("auto", "cpu", "gpu"))
     # -- outputs --------------------------------------------------------------------------------
     log_every: int = _opt(0, "progress every N steps (default: about 10 lines)")
+    memory_watch: str = _opt("sampled", "trace the allocations of every step, or of a sample (the first "
+                             "3, then 1 in 50: a traced step is a few per cent slower)",
+                             choices=("sampled", "every"))
     trace: str = _opt(None, "write a Chrome trace per rank into DIR", metavar="DIR")
     metrics_json: str = _opt(None, "rank 0 writes the run's metrics here", metavar="FILE")
     save: str = _opt(None, "rank 0 saves the fp32 parameters by name", metavar="FILE.npz")

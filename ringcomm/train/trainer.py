@@ -92,7 +92,7 @@ class Job:
         if self.xp is not np:
             self.state_traced = -1  # device memory: not what tracemalloc sees
         self.strategy.placement = self.placement()
-        self.watch = PeakWatch(enabled=self.xp is np)
+        self.watch = PeakWatch(enabled=self.xp is np, every=cfg.memory_watch == "every")
         self.runner = StepRunner(self.stage, self.strategy, self.mesh, cfg, self.tracer)
         self.denominator = cfg.batch_size * self.stage.seq_len
 
@@ -222,10 +222,13 @@ def _run_steps(job, first, losses, out):
     start = time.perf_counter()
     for step in range(first, cfg.steps):
         x, y = job.batch(step)
+        watched = job.watch.watches(step - first)
         t0 = time.perf_counter()
-        job.watch.begin()
+        if watched:
+            job.watch.begin()
         loss, _ = runner.step(x, y, job.denominator)
-        job.watch.end()
+        if watched:
+            job.watch.end()
         times.append(time.perf_counter() - t0)
         idle.append(runner.idle)
         losses.append(loss)

@@ -73,6 +73,7 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
               **{f"{dim}_bytes_predicted_per_step": formula[dim] for dim in DIMS},
               "step_time_s": step_time, "bubble_fraction": idle_fraction,
               "bubble_formula": (p - 1) / (m + p - 1), "peak_activation_bytes": job.watch.peak,
+              "peak_steps_watched": job.watch.watched,
               "saved_activation_bytes": job.runner.saved_peak,
               "cp_compute_s_per_step": getattr(attention, "compute_s", 0.0) / steps,
               "cp_wait_s_per_step": getattr(attention, "wait_s", 0.0) / steps,
@@ -85,7 +86,7 @@ def gather_per_rank(job, groups, steps, step_time, idle_fraction):
         v = dict(zip(values, vec, strict=True))
         ints = ("rank", "d", "c", "p", "t", "num_params", "bytes_sent", "bytes_received",
                 "peak_model_state_bytes", "model_state_traced_bytes", "peak_activation_bytes", "saved_activation_bytes",
-                "activation_formula_bytes")
+                "activation_formula_bytes", "peak_steps_watched")
         row = {k: int(v[k]) for k in ints}
         for k in ("model_state_traced_bytes", "peak_activation_bytes"):
             row[k] = None if row[k] < 0 else row[k]  # on a GPU: device memory, not traced
