@@ -66,12 +66,15 @@ def _pieces(spans):
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _causal_mask(xp, qa, qb, ka, kb):
+@functools.lru_cache(maxsize=16)
+def _causal_mask(xp, device, qa, qb, ka, kb):
     """0 where key position ``j`` may be seen by query position ``i`` (j <= i), else −inf:
-    added to a block's scores in place (made once per span pair and array module)."""
+    added to a block's scores in place (made once per span pair, array module and device;
+    a model's attention has a few span pairs)."""
     hidden = np.arange(ka, kb)[None, :] > np.arange(qa, qb)[:, None]
-    return xp.asarray(np.where(hidden, -np.inf, 0.0).astype(np.float32))
+    mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)
+    mask.flags.writeable = False  # shared by every call: nothing may write into it
+    return mask if xp is np else xp.asarray(mask)
 
 
 def _scores(q, k, qa, qb, ka, kb, scale):
@@ -81,7 +84,8 @@ def _scores(q, k, qa, qb, ka, kb, scale):
     s = q @ k.swapaxes(-1, -2)
     s *= scale
     if kb > qa + 1:  # some key comes after some query
-        s += _causal_mask(array_module(s), qa, qb, ka, kb)
+        xp = array_module(s)
+        s += _causal_mask(xp, -1 if xp is np else xp.cuda.Device().id, qa, qb, ka, kb)
     return s
 
 

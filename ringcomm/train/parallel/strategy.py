@@ -50,6 +50,7 @@ class StrategyContext:
     zero_stage: int = 0      # ZeRO's stage, 1 to 3; 0 for the other strategies
     layer_offset: int = 0    # model-order index of layer 0 here (pipeline stages), for trace names
 
+
 class Strategy:
     name = "base"
     per_layer_units = False
