@@ -179,3 +179,26 @@ def test_clipping_with_scale_is_the_python_float_product(x, max_norm, sq_norm):
         expected *= coef
         assert_same_bits(ref.scale(x.copy(), coef), expected)
         assert_same_bits(kernels.scale(x.copy(), coef), expected)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("size", [1, ref.ADAM_BLOCK - 1, ref.ADAM_BLOCK, 2 * ref.ADAM_BLOCK + 3])
+def test_the_block_by_block_step_is_the_whole_array_step(size, weight_decay):
+    """The CPU step takes ADAM_BLOCK elements at a time: bit for bit the same as Adam in
+    torch's order over the whole array, at and across the blocks' edges, and the gradient
+    left as it was."""
+    rng = np.random.default_rng(size)
+    master = rng.standard_normal(size).astype(np.float32)
+    ours = master.copy()
+    oracle = TorchOrderAdam(size, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+    m, v = np.zeros(size, np.float32), np.zeros(size, np.float32)
+    for t in range(1, 4):
+        g = rng.standard_normal(size).astype(np.float32)
+        before = g.copy()
+        oracle.t = t
+        oracle.update(master, g)
+        ref.adam_step(ours, g, m, v, LR, *BETAS, EPS, weight_decay, t)
+        assert_same_bits(ours, master)
+        assert_same_bits(m, oracle.m)
+        assert_same_bits(v, oracle.v)
+        assert_same_bits(g, before)
