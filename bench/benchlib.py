@@ -188,3 +188,16 @@ def metric_cells(cell):
 def metric_header():
     return (f"{'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>7}",
             f"{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}")
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or ``None`` where matplotlib is
+    missing (said once): a benchmark's numbers never depend on its picture."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (make install-bench installs it)")
+        return None
+    return plt

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+import benchlib
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMUP = 5
 LIBRARIES = ("ringcomm", "gloo")
@@ -124,12 +126,8 @@ def measure(args, batch, n, mode):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = benchlib.pyplot()
+    if plt is None:
         return
     labels = [f"{r['mode']} N={r['n']}\nbatch {r['batch_size']}" for r in rows]
     fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 4))

@@ -27,6 +27,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import benchlib
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONE_THREAD = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 GPT = ("--model", "gpt", "--n-layer", "4", "--d-model", "256", "--n-head", "4", "--seq-len", "128",
@@ -208,12 +210,8 @@ def table(rows, results):
 
 
 def plot(doc, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = benchlib.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(doc) + 1.5))
     ax.barh([d["row"] for d in doc], [d["ratio"] for d in doc], color="tab:blue")

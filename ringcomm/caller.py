@@ -46,7 +46,7 @@ class Caller:
     def local(self):
         """True when every other rank of the group shares this host's shared-memory lanes."""
         if self._local is None:
-            comm, lanes = self.comm, self.engine.transport.lane_peers
+            comm, lanes = self.comm, self.engine.transport.wire.lane_peers
             me = comm.ranks[comm.rank]
             self._local = all(r == me or r in lanes for r in comm.ranks)
         return self._local
@@ -55,7 +55,7 @@ class Caller:
     def topology(self):
         """Which ranks of the group share a host (the same on every rank)."""
         if self._topology is None:
-            ids, comm = self.engine.transport.host_ids, self.comm
+            ids, comm = self.engine.transport.wire.host_ids, self.comm
             self._topology = Topology.of([ids[g] for g in comm.ranks], comm.rank)
         return self._topology
 

@@ -222,7 +222,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, args=(ready,), name=name, daemon=True)
         self._thread.start()
         self.transport = ready.wait()
-        self.transport.eager = self.eager
+        self.transport.wire.eager = self.eager  # the wire's waits spin or yield by it
 
     def eager(self):
         """Whether the thread now waiting on the transport should spin before it sleeps: the

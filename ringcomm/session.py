@@ -64,35 +64,12 @@ class Session:
         # from this rank the wire replaces them with refusals (see transport.liveness)
         wire.attach(self.deliver, lambda what: self._check_waiting(None, None, what))
 
-    # -- what the wire is, seen from above ------------------------------------------------
-    @property
-    def host_ids(self):
-        """Global rank -> the name of its host (see transport.rendezvous.host_id)."""
-        return self.wire.host_ids
-
-    @property
-    def lane_peers(self):
-        """The global ranks reached through shared memory."""
-        return self.wire.lane_peers
-
-    @property
-    def eager(self):
-        return self.wire.eager
-
-    @eager.setter
-    def eager(self, fn):
-        """Whether a thread waits for what this thread waits for (the engine's): then a wait
-        spins before it sleeps; else it yields the core and the GIL to the caller's compute."""
-        self.wire.eager = fn
-
+    # what the wire itself is (hosts, lane peers, spin policy, refused frames) is read on
+    # ``wire``; a staged device registers here what must run before the lanes are unmapped
     @property
     def before_unmap(self):
         """Called before shared memory is unmapped at close (see ringcomm.device)."""
         return self.wire.before_unmap
-
-    @property
-    def rejected(self):
-        return self.wire.rejected
 
     # -- what arrives ------------------------------------------------------------------------
     def deliver(self, header, payload):

@@ -33,7 +33,7 @@ def endpoints(comm):
 def rejected_after_sum(comm):
     x = np.full(100_000, comm.rank + 1.0)
     comm.all_reduce(x)
-    return bool(np.all(x == sum(range(1, comm.world_size + 1)))), comm._engine.transport.rejected
+    return bool(np.all(x == sum(range(1, comm.world_size + 1)))), comm._engine.transport.wire.rejected
 
 
 def good_header(src=1, seq=10 ** 6, nbytes=4, kind=frame.Kind.DATA):

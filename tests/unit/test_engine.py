@@ -27,10 +27,10 @@ def submit(engine, fn):
 def test_only_a_waited_for_thread_spins(engine):
     """The caller's thread spins (it runs synchronous calls inline); the communication thread
     spins only while some thread is blocked in Work.wait, else it leaves the core to compute."""
-    assert engine.eager() and engine.transport.eager()
+    assert engine.eager() and engine.transport.wire.eager()
 
     def unwatched(transport):
-        return transport.eager()
+        return transport.wire.eager()
     quiet = submit(engine, unwatched)
     deadline = time.monotonic() + 5
     while not quiet.is_completed() and time.monotonic() < deadline:
@@ -39,7 +39,7 @@ def test_only_a_waited_for_thread_spins(engine):
 
     def watched(transport):
         time.sleep(0.3)  # the test's thread is in wait() by now
-        return transport.eager()
+        return transport.wire.eager()
     assert submit(engine, watched).wait() is True
 
 

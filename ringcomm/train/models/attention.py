@@ -107,7 +107,8 @@ class Accumulator:
                 s = _scores(self.q[..., qs, :], k[..., ks, :], qa, qb, ka, kb, self.scale)
                 if s is None:
                     continue
-                fresh, _ = qa not in self._seen, self._seen.add(qa)
+                fresh = qa not in self._seen
+                self._seen.add(qa)
                 if fresh and ka <= qa:  # the first block these rows see: no rescaling
                     m_new = s.max(axis=-1, keepdims=True)
                     s -= m_new  # key ka <= every query row: each row's maximum is finite
