@@ -7,7 +7,7 @@
 Public names: :func:`init`, :class:`Communicator`, :class:`ReduceOp`, :data:`ANY_SOURCE`
 (``comm.recv(x, ringcomm.ANY_SOURCE, tag)``: from any rank; it is None), and the errors
 :class:`CommError`, :class:`CommTimeout`, :class:`PeerLost`, :class:`CollectiveMismatch`,
-:class:`Revoked`.
+:class:`Revoked`, :class:`RanksLost`.
 Imports are lazy so that ``python -m ringcomm.launch`` starts fast.
 """
 import importlib
@@ -24,6 +24,7 @@ _LAZY = {
     "CollectiveMismatch": "ringcomm.errors",
     "FrameError": "ringcomm.errors",
     "Revoked": "ringcomm.errors",
+    "RanksLost": "ringcomm.errors",
 }
 
 __all__ = sorted(_LAZY)

@@ -26,6 +26,7 @@ from .link import HOST
 from .threads import ThreadGuard
 from .topology import Topology
 from .transport.frame import COLLECTIVE, POINT_TO_POINT
+from .transport.mailbox import COLLECTIVES
 
 ALGORITHMS = ("auto", *SCHEDULES)
 
@@ -38,6 +39,7 @@ class Caller:
         self.receives = receives.Receives()  # the numbers of receives (see ringcomm.receives)
         self.threads = ThreadGuard(comm.name, self.revoke)
         self.closed = False
+        self.agreements = 0  # agreements on lost ranks this communicator ran (see ringcomm.elastic)
         self._schedules = {}  # (algorithm, collective) -> its function, found once
         self._local = self._topology = None  # found once, on first use
 
@@ -67,11 +69,12 @@ class Caller:
         if self.closed or self.engine.closed:
             raise CommError(f"{name}: communicator is closed")
 
-    def revoke(self, why):
-        """Make every collective on the communicator fail, here and on every other rank
-        (see ringcomm.threads); safe from any thread: the running call sees it as it waits."""
+    def revoke(self, why, code=COLLECTIVES, rank=None):
+        """Make every collective on the communicator fail, here and on every other rank (see
+        ringcomm.threads), and with ``code`` EVERY_CALL or LOST every point-to-point call too
+        (see ringcomm.elastic); safe from any thread: the running call sees it as it waits."""
         engine, comm = self.engine, self.comm
-        if not engine.transport.revoke(comm.comm_id, comm.ranks, why):
+        if not engine.transport.revoke(comm.comm_id, comm.ranks, why, code, rank):
             return
         # every member is told once, by whichever comes first: the call in progress as it
         # fails, or the communication thread (work queued before it may block for long)

@@ -89,6 +89,8 @@ class Call:
                     transport.check_revoked(comm.comm_id)
             else:
                 transport.pump(0)
+                if transport.revoked:  # every call fails after comm.revoke() or a loss
+                    transport.check_revoked(comm.comm_id, point_to_point=True)
             if self.device.staged:  # the host device has nothing to order or stage
                 deferred = self._on_device(self.ready, lambda: _drained(link, lambda: self.body(link)),
                                            lambda d: d is None)

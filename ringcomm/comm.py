@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import groups, p2p, receives
+from . import elastic, groups, p2p, receives
 from .algorithms import schedule
 from .arrays import Array
 from .caller import Caller
@@ -68,6 +68,7 @@ class Communicator:
         self._groups = groups.Counters()
         self._stats = Stats()
         self._caller = Caller(self, engine, self._device)
+        engine.transport.members[comm_id] = frozenset(self.ranks)  # (see Session._check_waiting)
         self._collective = self._caller.collective  # (collective, algorithm, nbytes, x, args, ...)
         self._point_to_point = self._caller.point_to_point  # (route, body, x, result, async_op)
 
@@ -245,6 +246,24 @@ class Communicator:
         >>> pair = comm.new_group([1, 3], members_only=True)   # called by ranks 1 and 3 alone
         """
         return groups.new_group(self, ranks, members_only)
+
+    def shrink(self) -> Communicator:
+        """On every survivor, after a :class:`PeerLost`: the communicator over the members not
+        lost (the same on every survivor), ranks renumbered in order; this one is revoked
+        (calls on it fail on every survivor with :class:`RanksLost`). See :mod:`ringcomm.elastic`.
+
+        >>> comm = comm.shrink()           # ranks 0, 1, 3 of 4 after rank 2 died: 0, 1, 2 of 3
+        """
+        return elastic.shrink(self)
+
+    def agree(self, flag: bool) -> tuple[bool, tuple[int, ...]]:
+        """``(AND of the members' flags, group ranks found lost)``, the same on every member
+        that returns, even if ranks die meanwhile (see :mod:`ringcomm.elastic`)."""
+        return elastic.agree(self, flag)
+
+    def revoke(self) -> None:
+        """Every pending and later call on this communicator fails on every member (Revoked)."""
+        elastic.revoke(self)
 
     def stats(self) -> dict[str, int]:
         """Payload bytes and messages this rank sent and received on this communicator."""

@@ -11,8 +11,12 @@ other ranks raises a :class:`CommError`:
 - :class:`PeerLost`: another rank died or closed its communicator; ``.rank`` names it.
 - :class:`CollectiveMismatch`: ranks called different collectives, or the same collective
   with different arguments; the message describes both sides.
-- :class:`Revoked`: the communicator was revoked (two threads issued collectives on it at
-  once): every call on it fails, on every rank, from then on.
+- :class:`Revoked`: the communicator was revoked: by two threads issuing collectives on it
+  at once (its collectives fail, on every rank, from then on), or by ``comm.revoke()`` (every
+  call on it fails).
+- :class:`RanksLost`: a :class:`PeerLost` and a :class:`Revoked` at once: ranks of the
+  communicator were lost and a survivor revoked it to shrink it (``comm.shrink()``); every
+  call on it fails on every survivor, naming the lost ranks (``.rank``: the first).
 
 An error that another rank reported for the same collective (through an abort message) has
 ``remote = True``; this rank does not forward it again. A report about a collective this rank
@@ -61,8 +65,15 @@ class CollectiveMismatch(CommError):
 
 
 class Revoked(CommError):
-    """The communicator was revoked on some rank: every pending and later call on it fails on
-    every rank, saying why (see :mod:`ringcomm.threads`)."""
+    """The communicator was revoked on some rank: every pending and later collective on it
+    (every call, after ``comm.revoke()``) fails on every rank, saying why (see
+    :mod:`ringcomm.threads`, :mod:`ringcomm.elastic`)."""
+
+
+class RanksLost(PeerLost, Revoked):
+    """Ranks of the communicator were lost, and a survivor revoked it to shrink it: every
+    pending and later call on it fails on every survivor; ``.rank`` names the first lost rank
+    and the message all of them (see :mod:`ringcomm.elastic`)."""
 
 
 class FrameError(CommError):

@@ -160,8 +160,10 @@ class Link:
 
     def check(self, peer, why):
         """Between waits: raise if the deadline passed (``why`` says what was waited for),
-        this rank is stopping, or group rank ``peer`` (None: any) was lost."""
-        self.transport.check(None if peer is None else self.ranks[peer], self.deadline, why)
+        this rank is stopping, group rank ``peer`` (None: any) was lost, or the call was
+        revoked."""
+        self.transport.check(None if peer is None else self.ranks[peer], self.deadline, why, self.comm_id,
+                             self.space)
 
     def has_left(self, peer):
         """Whether group rank ``peer`` closed its communicator."""

@@ -7,7 +7,8 @@ point-to-point credit windows (bytes in flight per peer, communicator and tag, r
 CREDIT as the receiver takes them), the collective window (:mod:`.transport.credit`), which
 collective runs here (``started``/``retire``), the liveness check that finds whom to blame
 when a wait times out (PING/PONG, ``probe``), aborts and the news of other ranks' aborts
-(``abort``, ``raise_news``), and revocation.
+(``abort``, ``raise_news``), revocation, and the agreements on lost ranks
+(``agreements``, see :mod:`ringcomm.agreements`; ``accept_lost``).
 
 The liveness check (:meth:`probe`): this rank asks the collective's other ranks (PING) and
 each answers (PONG) whether it has not reached the collective, is inside it, or has finished
@@ -24,11 +25,12 @@ import contextlib
 import struct
 import time
 
-from .errors import CommError, CommTimeout, Revoked
+from .agreements import Agreements
+from .errors import CommError, CommTimeout
 from .transport import frame
 from .transport.credit import P2P_WINDOW_BYTES, CollectiveCredit
 from .transport.frame import COLLECTIVE, POINT_TO_POINT, Kind
-from .transport.mailbox import Mailbox, abort_sig
+from .transport.mailbox import COLLECTIVES, Mailbox, Revocation, abort_sig
 
 NOT_REACHED, INSIDE, FINISHED = 0, 1, 2  # a PONG's answer about one collective
 PROBE_WAIT = 1.0  # seconds a liveness check waits for answers
@@ -60,6 +62,8 @@ class Session:
         self.running = {}   # comm id -> sequence number of the collective running here
         self._answers = {}  # peer -> its PONG state for the probe in progress
         self._probing = None  # (comm id, seq) of the probe in progress
+        self.agreements = Agreements(self)  # on lost ranks (see ringcomm.agreements)
+        self.members = {}  # comm id -> its members (global ranks), as each communicator is made
         # the wire's methods are looked up at each call, never bound here: in a child forked
         # from this rank the wire replaces them with refusals (see transport.liveness)
         wire.attach(self.deliver, lambda what: self._check_waiting(None, None, what))
@@ -76,7 +80,7 @@ class Session:
         """Every arrival the wire does not keep for itself (it keeps BYE and LANE): data into
         the mailbox; control messages answered here; an ABORT filed as a notice."""
         # data (the common case) first; a control message is answered; what is left, an ABORT
-        if header.kind < Kind.BYE or header.kind == Kind.SHM or not self._control(header):
+        if header.kind < Kind.BYE or header.kind == Kind.SHM or not self._control(header, payload):
             self.mailbox.put(header, payload)
 
     def started(self, comm_id, seq):
@@ -88,9 +92,9 @@ class Session:
             return FINISHED
         return INSIDE if self.running.get(comm_id) == seq else NOT_REACHED
 
-    def _control(self, header):
-        """Handle a control message (PING, PONG, CREDIT, WANT, GRANT); True if ``header`` was
-        one."""
+    def _control(self, header, payload):
+        """Handle a control message (PING, PONG, CREDIT, WANT, GRANT, AGREE); True if
+        ``header`` was one."""
         if self.mailbox.quiet:  # it answers again
             self.mailbox.quiet.pop(header.src, None)
         if header.kind == Kind.PING:
@@ -111,6 +115,9 @@ class Session:
             if self.credit is not None:
                 on = self.credit.on_want if header.kind == Kind.WANT else self.credit.on_grant
                 on(header.src, header.key.comm_id, header.key.seq)
+            return True
+        if header.kind == Kind.AGREE:
+            self.agreements.deliver(header, payload)
             return True
         return False
 
@@ -151,17 +158,20 @@ class Session:
                               f"came from it since); rank {self.rank} gave up",
                               rank=peer, cause="silent")
 
-    def _check_waiting(self, peer, comm_id, what):
+    def _check_waiting(self, peer, comm_id, what, space=COLLECTIVE):
         """What every wait for ``peer`` checks as it goes round: that it is not gone, nor
-        quiet since a liveness check, and (``comm_id`` of a collective) that the
-        communicator was not revoked."""
+        quiet since a liveness check, and (``comm_id``: of the call's communicator; ``space``:
+        whether it is a collective or a point-to-point call) that the call was not revoked."""
         if self.stopping is not None:
             raise CommError(f"{what}: {self.stopping}")
-        self.wire.check_peers(what, peer)
+        # a loss fails the waits of the communicators it belongs to, not the others'
+        self.wire.check_peers(what, peer, None if comm_id is None else self.members.get(comm_id))
         if self.mailbox.quiet:
             self._check_quiet(peer, what)
-        if comm_id is not None and self.revoked:
-            self.check_revoked(comm_id)
+        if self.revoked and comm_id is not None:
+            self.check_revoked(comm_id, space == POINT_TO_POINT)
+        if self.agreements.duties:
+            self.agreements.tend()
 
     # -- sending -----------------------------------------------------------------------------
     def send(self, dst, key, sig, payload, copy=False):
@@ -219,15 +229,17 @@ class Session:
         self.stopping = why
         self.wire.wake()
 
-    def revoke(self, comm_id, members, why):
-        """Safe from any thread: revoke ``comm_id`` here (its collectives fail; a wait in
-        progress wakes to see it) and note that ``members`` are still to be told
-        (:meth:`announce_revoked`). False if it was revoked already (here or elsewhere,
-        and then every member was told)."""
+    def revoke(self, comm_id, members, why, code=COLLECTIVES, rank=None):
+        """Safe from any thread: revoke ``comm_id`` here (its collectives fail, and with
+        ``code`` :data:`~.transport.mailbox.EVERY_CALL` or ``LOST`` its point-to-point calls
+        too, ``rank`` the first lost; a wait in progress wakes to see it) and note that
+        ``members`` are still to be told (:meth:`announce_revoked`). False if it was revoked
+        already (here or elsewhere, and then every member was told)."""
         if comm_id in self.revoked:
             return False
-        self.unannounced[comm_id] = (members, why)
-        self.revoked.setdefault(comm_id, why)
+        revocation = Revocation(why, code, rank)
+        self.unannounced[comm_id] = (members, revocation)
+        self.revoked.setdefault(comm_id, revocation)
         self.wire.wake()
         return True
 
@@ -237,17 +249,19 @@ class Session:
         pending = self.unannounced.pop(comm_id, None)
         if pending is None:
             return
-        members, why = pending
+        members, revocation = pending
         for dst in members:
             with contextlib.suppress(CommError):  # gone: its loss is reported on its own
-                self.abort([dst], comm_id, 0, Revoked(why))
+                self.abort([dst], comm_id, 0, revocation.error(), revocation.code)
 
-    def check_revoked(self, comm_id):
-        """Raise :class:`Revoked` if communicator ``comm_id`` was revoked here or elsewhere
-        (its collectives fail; point-to-point calls, numbered per peer and tag, go on)."""
-        why = self.revoked.get(comm_id)
-        if why is not None:
-            raise Revoked(why)
+    def check_revoked(self, comm_id, point_to_point=False):
+        """Raise :class:`Revoked` (:class:`RanksLost` when ranks were lost) if communicator
+        ``comm_id`` was revoked here or elsewhere: its collectives fail; its point-to-point
+        calls, numbered per peer and tag, go on after a revocation of the collectives
+        alone (two threads)."""
+        revocation = self.revoked.get(comm_id)
+        if revocation is not None and not (point_to_point and revocation.code == COLLECTIVES):
+            raise revocation.error()
 
     # -- collective flow control (see .transport.credit) -------------------------------------
     def room(self, dst, comm_id, seq):
@@ -278,10 +292,11 @@ class Session:
         is in the mailbox already (a BYE is taken in behind its sender's data)."""
         return self.wire.has_left(peer)
 
-    def check(self, peer, deadline, what):
-        """Raise if ``peer`` (None: no one in particular) is gone or ``deadline`` passed (for
-        a wait outside :meth:`recv`)."""
-        self._check_waiting(peer, None, what)
+    def check(self, peer, deadline, what, comm_id=None, space=POINT_TO_POINT):
+        """Raise if ``peer`` (None: no one in particular) is gone, ``deadline`` passed, or
+        (``comm_id`` given) the call, of ``space``, was revoked (for a wait outside
+        :meth:`recv`)."""
+        self._check_waiting(peer, comm_id, what, space)
         if time.monotonic() > deadline:
             raise CommTimeout(f"{what}; rank {self.rank} gave up", rank=peer)
 
@@ -305,7 +320,7 @@ class Session:
         """Like :meth:`recv` but never waits: the payload, or ``None`` if not here yet."""
         payload = self._take(src, key, sig)
         if payload is None:
-            self._check_waiting(src, key.comm_id if key.space == COLLECTIVE else None, what)
+            self._check_waiting(src, key.comm_id, what, key.space)
             if time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: timed out waiting for rank {src}; rank {self.rank} gave up")
         return payload
@@ -317,7 +332,7 @@ class Session:
             payload = self._take(src, key, sig)
             if payload is not None:
                 return payload
-            self._check_waiting(src, key.comm_id if key.space == COLLECTIVE else None, what)
+            self._check_waiting(src, key.comm_id, what, key.space)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommTimeout(
@@ -337,15 +352,24 @@ class Session:
         else:
             self.mailbox.raise_notice(comm_id, seq)
 
-    def abort(self, peers, comm_id, seq, exc):
-        """Tell ``peers`` (global ranks) that collective ``seq`` failed here, and why."""
+    def abort(self, peers, comm_id, seq, exc, code=None):
+        """Tell ``peers`` (global ranks) that collective ``seq`` failed here, and why
+        (``code``: the wire code, when not that of ``exc``'s class)."""
         reason = str(exc).encode("utf-8")[: frame.MAX_ABORT_BYTES]
-        sig, key = abort_sig(exc), frame.Key(comm_id, COLLECTIVE, seq, 0, 0)
+        sig, key = abort_sig(exc, code), frame.Key(comm_id, COLLECTIVE, seq, 0, 0)
         for dst in peers:
             if dst != self.rank:
                 # that peer is gone (its loss is reported on its own); the rest must hear
                 with contextlib.suppress(CommError):
                     self.wire.post(dst, frame.pack(Kind.ABORT, self.rank, key, len(reason), sig), reason)
+
+    def accept_lost(self, comm_id, lost):
+        """The survivors of ``comm_id`` agreed that ``lost`` (global ranks) are lost: waits
+        for other peers stop failing for them, what ``comm_id`` still holds is dropped, and
+        the failure that started it no longer colours this rank's goodbye."""
+        self.wire.forget(lost)
+        self.mailbox.forget(comm_id)
+        self.first_failure = None
 
     def retire(self, comm_id, seq, failed=False):
         """Collective ``seq`` of ``comm_id`` ended here (``failed``: with an error)."""

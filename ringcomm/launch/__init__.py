@@ -28,6 +28,10 @@ Options (dash and underscore spellings are both accepted):
                         MASTER_PORT + 1)
   --timeout SECONDS     collective deadline, exported as RINGCOMM_TIMEOUT
   --device KIND         auto | cpu | gpu, exported as RINGCOMM_DEVICE
+  --on-failure POLICY   stop (default): a failure stops every worker, as below;
+                        continue: it is reported and the others go on (they shrink
+                        their communicators: ringcomm.elastic), exported as
+                        RINGCOMM_ON_FAILURE; not with --max-restarts
   --no-prefix           let workers write straight to the launcher's terminal
 
 Environment of each worker (on top of the launcher's own):
@@ -59,6 +63,11 @@ sends SIGTERM to every worker's process group, waits 3 s, SIGKILLs whatever is l
 reaps all workers.  It then restarts
 the group if restarts remain.  Exit status: 0 if every worker exited 0, 1 after
 a failure, 130 on SIGINT and 143 on SIGTERM (forwarded to workers as SIGTERM).
+
+With ``--on-failure continue`` a failed worker is reported as it ends (``ringcomm.launch:
+rank 2 (local rank 2, pid 1234) was lost: killed by signal 9 (SIGKILL); 3 rank(s) here go
+on``) and nothing is stopped; the job ends when every worker has ended, with status 0 if
+some exited 0 and every other one was lost to a signal, else 1.
 
 Examples::
 

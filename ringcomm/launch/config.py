@@ -59,6 +59,7 @@ class LaunchConfig:
     max_restarts: int = 0
     timeout: float | None = None
     device: str | None = None
+    on_failure: str = "stop"  # or "continue": a failed worker does not stop the others
     prefix: bool = True
     script: str | None = None
     module: str | None = DEFAULT_MODULE
@@ -98,6 +99,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
         add("--timeout", type=float, help="collective deadline (RINGCOMM_TIMEOUT)"),
         add("--device", choices=("auto", "cpu", "gpu"),
             help="each worker's device: GPU LOCAL_RANK %% count (RINGCOMM_DEVICE)"),
+        add("--on-failure", "--on_failure", dest="on_failure", choices=("stop", "continue"), default="stop",
+            help="when a worker fails: stop every worker (default), or report it and let the "
+                 "others go on (they shrink their communicators: RINGCOMM_ON_FAILURE)"),
     ]
     add("--no-prefix", "--no_prefix", dest="prefix", action="store_false",
         help="do not prefix worker output with [rank R]:")
@@ -137,7 +141,7 @@ def parse_args(argv: list[str] | None = None, environ=None) -> LaunchConfig:
     return LaunchConfig(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
                         master_addr=addr, master_port=port, auto_port=auto_port,
                         max_restarts=ns.max_restarts, timeout=ns.timeout, device=ns.device,
-                        prefix=ns.prefix, script=script, module=module, args=args,
+                        on_failure=ns.on_failure, prefix=ns.prefix, script=script, module=module, args=args,
                         secret=_secret(parser, ns, addr, port, environ),
                         job_id=environ.get("RINGCOMM_JOB_ID") or (secrets.token_hex(8) if ns.nnodes == 1 else ""))
 
@@ -164,6 +168,9 @@ def _check_numbers(parser, ns):
         parser.error(f"--node-rank must be in [0, {ns.nnodes - 1}]")
     if ns.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
+    if ns.on_failure == "continue" and ns.max_restarts:
+        parser.error("--on-failure continue keeps the survivors running; it restarts nothing, "
+                     "so it does not go with --max-restarts")
     if ns.timeout is not None and not 0 < ns.timeout < math.inf:  # also NaN and inf
         parser.error(f"--timeout must be a finite number of seconds > 0, got {ns.timeout}")
 
@@ -227,4 +234,6 @@ def worker_env(cfg: LaunchConfig, local_rank: int, restart_count: int = 0,
         env["RINGCOMM_TIMEOUT"] = f"{cfg.timeout:g}"
     if cfg.device is not None:
         env["RINGCOMM_DEVICE"] = cfg.device
+    if cfg.on_failure != "stop":
+        env["RINGCOMM_ON_FAILURE"] = cfg.on_failure
     return env

@@ -42,6 +42,7 @@ class WorkerGroup:
         self.cfg = cfg
         self.restart_count = restart_count
         self.workers: list[Worker] = []
+        self.lost: dict[int, int] = {}  # rank -> exit status, with --on-failure continue
         # where each worker writes what ended it (see ringcomm.world): private, removed by kill()
         self.reports = tempfile.mkdtemp(prefix="ringcomm-reports-")
         # chosen before any worker starts: a fallback one reaches them all (RINGCOMM_RUN_DIR);
@@ -77,14 +78,41 @@ class WorkerGroup:
                 return STOPPED
             codes = [(w, w.proc.poll()) for w in self.workers]
             failed = [(w, rc) for w, rc in codes if rc not in (None, 0)]
-            if failed:
+            if failed and self.cfg.on_failure == "continue":
+                self._report_lost(failed)
+                if all(rc is not None for _, rc in codes):
+                    self.stop()
+                    return self._outcome(codes)
+            elif failed:
                 self._explain(failed)
                 self.stop()
                 return EXIT_FAILURE
-            if all(rc == 0 for _, rc in codes):
+            elif all(rc == 0 for _, rc in codes):
                 self.stop()  # sweeps anything the workers left running
                 return 0
             time.sleep(POLL_INTERVAL_S)
+
+    def _report_lost(self, failed) -> None:
+        """``--on-failure continue``: say once how each failed rank ended; the others go on."""
+        for w, rc in failed:
+            if w.rank in self.lost:
+                continue
+            self.lost[w.rank] = rc
+            report = self._report(w)
+            why = f": {report['type']}: {str(report.get('message'))[:400]}" if report else ""
+            left = sum(x.proc.poll() is None for x in self.workers)
+            log(f"rank {w.rank} (local rank {w.local_rank}, pid {w.proc.pid}) was lost: "
+                f"{describe_exit(rc)}{why}; {left} rank(s) here go on (--on-failure continue)")
+
+    def _outcome(self, codes) -> int:
+        """``--on-failure continue``, every worker ended: 0 if some exited 0 and every other
+        one was lost to a signal (killed, crashed); 1 if none survived, or one exited with
+        an error of its own (which survivors cannot absorb)."""
+        survivors = [w.rank for w, rc in codes if rc == 0]
+        errors = [w.rank for w, rc in codes if rc is not None and rc > 0]
+        log(f"every worker ended: {len(survivors)} of {len(codes)} exited 0; lost rank(s) "
+            f"{sorted(self.lost)}")
+        return 0 if survivors and not errors else EXIT_FAILURE
 
     def _report(self, worker: Worker):
         try:

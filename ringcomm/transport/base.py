@@ -9,7 +9,9 @@ before that is held and delivered then. A new transport (plain TCP, UCX) impleme
 - ``post(dst, header, payload, copy)``: queue one message, never blocking;
 - ``pump(timeout)``: deliver what arrived, waiting at most ``timeout`` seconds;
 - ``flush(deadline, what)``: wait until every payload handed over may be reused;
-- ``check_peers(what, src)``: raise :class:`PeerLost` for a peer known gone;
+- ``check_peers(what, src, members)``: raise :class:`PeerLost` for a peer known gone; ``lost()`` the
+  peers gone for certain, ``forget(peers)`` those the survivors agreed on (see
+  :mod:`ringcomm.elastic`);
 - ``close(failure, waiting)``: goodbye to every peer, then release everything;
 - and, where it has shared-memory lanes, the slots a device fills and reads directly.
 
@@ -66,8 +68,18 @@ class Transport(ABC):
         """One DATA message of ``nbytes`` (a transport may carry it another way)."""
         return self.post(dst, frame.pack(Kind.DATA, self.rank, key, nbytes, sig), payload, copy)
 
-    def check_peers(self, what, src=None):  # noqa: B027 (a wire without it has nothing to do)
-        """Raise :class:`PeerLost` if a peer (or ``src``, the one waited on) is known gone."""
+    def check_peers(self, what, src=None, members=None):  # noqa: B027 (a wire without it has nothing to do)
+        """Raise :class:`PeerLost` if ``src`` (the one waited on), or a peer of ``members``
+        (the waiting call's communicator; None: any peer), is known gone."""
+
+    def lost(self):
+        """The peers known gone for certain (said goodbye, process ended, connection dropped
+        past a grace); a wire that cannot tell returns none."""
+        return frozenset()
+
+    def forget(self, peers):  # noqa: B027 (a wire that reports no losses has none to forget)
+        """``peers`` are agreed lost: :meth:`check_peers` raises for them only when asked
+        about one of them (``src``)."""
 
     def has_left(self, peer):
         """True once ``peer`` said goodbye (a wire that carries goodbyes says so)."""

@@ -96,6 +96,7 @@ class Connections:
         self.watch = liveness.Watch(processes or {})
         self._exited = set()  # peers whose process was seen to end
         self._next_look = 0.0  # when /proc may be read again (Watch.look)
+        self.forgotten = set()  # lost peers the survivors agreed on (see forget)
         for peer in self.watch.gone:
             self._on_exited(peer)
 
@@ -152,22 +153,22 @@ class Connections:
         pidfd is closed: it leaves the poll)."""
         self._on_exited(self.watch.exited(fd))
 
-    def check_peers(self, what, src=None):
-        """Raise :class:`PeerLost` if ``src`` said goodbye, or a peer is lost since longer
-        than ``grace`` (the transport's ``_check_peers``)."""
+    def check_peers(self, what, src=None, members=None):
+        """Raise :class:`PeerLost` if ``src`` said goodbye, or a peer (of ``members``, the
+        waiting call's communicator, when given) is lost since longer than ``grace``."""
         if src in self.said_bye:
             words, blamed = self._how_closed(src)
             raise PeerLost(f"{what}: rank {src} {words}{',' if blamed != src else ''} before "
                            f"sending what rank {self.rank} waits for", rank=blamed)
         now = time.monotonic()
-        if now >= self._next_look:  # /proc, for the peers no pidfd watches (none: never again)
-            self._next_look = now + liveness.PROC_LOOK_S if self.watch.polled else math.inf
-            for peer in self.watch.look():
-                self._on_exited(peer)
+        if now >= self._next_look:
+            self._look(now)
         if not self._gone_since:
             return
+        forgotten = self.forgotten
         overdue = [p for p, t in self._gone_since.items()
-                   if p not in self.said_bye and now - t > self.grace]
+                   if p not in self.said_bye and now - t > self.grace and (p not in forgotten or p == src)
+                   and (members is None or p in members)]
         if overdue:
             self._drain()  # a BYE may still sit unread behind the disconnection
             overdue = [p for p in overdue if p not in self.said_bye]
@@ -180,6 +181,27 @@ class Connections:
             raise PeerLost(f"{what}: rank {self.rank} lost rank {peer} (its connection dropped "
                            f"without a goodbye: the process died or was killed, or the network "
                            f"failed)", rank=peer)
+
+    def _look(self, now):
+        """Read /proc for the peers no pidfd watches (none: never again)."""
+        self._next_look = now + liveness.PROC_LOOK_S if self.watch.polled else math.inf
+        for peer in self.watch.look():
+            self._on_exited(peer)
+
+    def lost(self):
+        """The peers definitely gone: those that said goodbye or whose process ended, and
+        those whose connection dropped longer than ``grace`` ago (evidence, never a guess
+        from silence: what :mod:`ringcomm.agreement` rests on)."""
+        now = time.monotonic()
+        if now >= self._next_look:
+            self._look(now)
+        gone = self._gone_since
+        return frozenset({*self.said_bye, *self._exited, *(p for p in gone if now - gone[p] > self.grace)})
+
+    def forget(self, peers):
+        """``peers`` are lost and the survivors agreed on it: a wait for another peer no
+        longer raises for them (a wait for one of them still does)."""
+        self.forgotten |= set(peers)
 
     def _on_exited(self, peer):
         """``peer``'s process ended: from now on it counts as disconnected (see .liveness)."""

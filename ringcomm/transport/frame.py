@@ -9,7 +9,7 @@ Header fields (little-endian):
 
 ====== ======= ===========================================================
 magic  4 bytes ``RCM1``; anything else is a foreign frame
-version u8     ``VERSION`` (6); another version is refused
+version u8     ``VERSION`` (7); another version is refused
 kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the payload
                is a notice naming a shared-memory slot that holds the data), LANE (the
                sender's shared-memory lane to the receiver is ready; see ``.shm``), PING
@@ -18,7 +18,10 @@ kind   u8      DATA, BYE (the sender closed its communicator), ABORT, SHM (the p
                (the receiver took a point-to-point message: ``sig`` holds its byte count
                as a u64, see ``ringcomm.p2p``), WANT (the sender waits to send data of
                collective ``seq``), GRANT (the answer: ``seq`` holds how many collectives
-               of the communicator the receiver has finished; see ``ringcomm.transport.credit``)
+               of the communicator the receiver has finished; see ``ringcomm.transport.credit``),
+               AGREE (a message of the agreement on lost members: ``seq`` numbers the
+               agreement within its communicator, ``step`` holds the message's kind and
+               ``segment`` its round; see ``ringcomm.agreement``)
 space  u8      :class:`Space`: 0 = collective, 1 = point-to-point
 src    u32     the sender's global rank
 comm   u32     communicator id (0 = world; groups get a hash)
@@ -41,11 +44,12 @@ from typing import NamedTuple
 from ..errors import FrameError
 
 MAGIC = b"RCM1"
-VERSION = 6  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT; 4: DOORBELL; 5: none;
-# 6: WANT, GRANT
+VERSION = 7  # 2: one-frame messages, SHM notices, LANE; 3: PING, PONG, CREDIT; 4: DOORBELL; 5: none;
+# 6: WANT, GRANT; 7: AGREE
 HEADER = struct.Struct("<4sBBBxIIQIIQ16s")
 MAX_ABORT_BYTES = 4096  # an abort's payload is a UTF-8 reason, never larger than this
 SHM_NOTICE_BYTES = 16   # see ringcomm.transport.shm.NOTICE
+MAX_AGREE_BYTES = 1 << 16  # an agreement body (two bitmaps of the world) is never larger
 
 
 class Kind(IntEnum):
@@ -59,6 +63,7 @@ class Kind(IntEnum):
     CREDIT = 8
     WANT = 9
     GRANT = 10
+    AGREE = 11
 
 
 class Space(IntEnum):
@@ -94,7 +99,7 @@ class Header(NamedTuple):
 
 _KINDS = {kind.value: kind for kind in Kind}  # a dict lookup is ~10x cheaper than Kind(x)
 _SPACES = {space.value: space for space in Space}
-_SHM, _ABORT = int(Kind.SHM), int(Kind.ABORT)  # int comparisons: cheaper than IntEnum's
+_SHM, _ABORT, _AGREE = int(Kind.SHM), int(Kind.ABORT), int(Kind.AGREE)  # int compares: cheaper than IntEnum's
 # the namedtuples built from one tuple without their Python-level __new__ (a message
 # makes two of them); new_key((comm_id, space, seq, step, segment)) is a Key
 _new_header, new_key = partial(tuple.__new__, Header), partial(tuple.__new__, Key)
@@ -133,4 +138,6 @@ def unpack(header, payload_len, world_size, self_rank):
         raise FrameError(f"header says {nbytes} payload bytes, frame has {payload_len}")
     if kind == _ABORT and nbytes > MAX_ABORT_BYTES:
         raise FrameError(f"abort reason of {nbytes} bytes exceeds {MAX_ABORT_BYTES}")
+    if kind == _AGREE and nbytes > MAX_AGREE_BYTES:
+        raise FrameError(f"agreement message of {nbytes} bytes exceeds {MAX_AGREE_BYTES}")
     return _new_header((kind, src, new_key((comm, space, seq, step, seg)), nbytes, sig))

@@ -11,7 +11,7 @@ and empty:
 code   u8   0: a plain goodbye (the whole ``sig`` is zero, as before any failure); else the
             error class of the first failure, coded as an ABORT codes it
             (``mailbox.ABORT_CLASSES``: 1 CollectiveMismatch, 2 CommTimeout, 3 PeerLost,
-            4 any other error, 5 Revoked)
+            4 any other error, 5 and 6 Revoked, 7 RanksLost)
 rank   u32  the rank that failure blamed; 0xFFFFFFFF (``NO_RANK``): none
 cause  u8   a timeout's cause (index in ``errors.TIMEOUT_CAUSES``)
 ====== ==== ==============================================================================
@@ -49,7 +49,7 @@ def how_closed(why, peer, me):
     if blamed is None or blamed == peer:
         return f"closed its communicator after a failure ({kind.__name__})", peer
     whom = f"rank {blamed}" + (" (this rank)" if blamed == me else "")
-    if kind is PeerLost:
+    if issubclass(kind, PeerLost):
         words = f"losing {whom}"
     elif kind is CommTimeout:
         words = f"timing out on {whom}" + {"silent": " (it stopped answering)",

@@ -18,8 +18,9 @@ that failed here too (this rank has reported a failure already). Collective data
 import logging
 import struct
 from collections import defaultdict
+from typing import NamedTuple
 
-from ..errors import (TIMEOUT_CAUSES, CollectiveMismatch, CommError, CommTimeout, PeerLost, Revoked,
+from ..errors import (TIMEOUT_CAUSES, CollectiveMismatch, CommError, CommTimeout, PeerLost, RanksLost, Revoked,
                       SignatureMismatch)
 from .frame import COLLECTIVE, POINT_TO_POINT, Kind
 
@@ -29,8 +30,25 @@ log = logging.getLogger(__name__)
 ABORT_SIG = struct.Struct("<BIB10x")
 NO_RANK = 0xFFFFFFFF
 MAX_REFUSALS = 1024  # refused collectives remembered (each fails naming its sender)
-ABORT_CLASSES = {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked}
-ABORT_CODES = {cls: code for code, cls in ABORT_CLASSES.items()}
+ABORT_CLASSES = {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked, 6: Revoked,
+                 7: RanksLost}
+ABORT_CODES = {CollectiveMismatch: 1, CommTimeout: 2, PeerLost: 3, CommError: 4, Revoked: 5, RanksLost: 7}
+# the codes of the revocations: of the collectives alone (two threads), of every call
+# (comm.revoke()), of every call because ranks were lost (comm.shrink())
+COLLECTIVES, EVERY_CALL, LOST = 5, 6, 7
+
+
+class Revocation(NamedTuple):
+    """Why every call on a communicator fails (``code``: :data:`COLLECTIVES`: its
+    collectives alone; :data:`EVERY_CALL`, :data:`LOST`: its point-to-point calls too, and
+    ``rank`` the first rank lost)."""
+
+    why: str
+    code: int = COLLECTIVES
+    rank: int | None = None
+
+    def error(self):
+        return RanksLost(self.why, self.rank) if self.code == LOST else Revoked(self.why)
 
 
 def abort_code(exc):
@@ -41,11 +59,11 @@ def abort_code(exc):
     return 4
 
 
-def abort_sig(exc):
+def abort_sig(exc, code=None):
     """An ABORT's ``sig`` for ``exc`` (a goodbye after a failure carries the same): its
-    class's code, the rank it blames (``.rank``), a timeout's cause (``.cause``)."""
+    class's code (or ``code``), the rank it blames (``.rank``), a timeout's cause (``.cause``)."""
     blamed, cause = getattr(exc, "rank", None), getattr(exc, "cause", None)
-    return ABORT_SIG.pack(abort_code(exc),
+    return ABORT_SIG.pack(abort_code(exc) if code is None else code,
                           blamed if type(blamed) is int and 0 <= blamed < NO_RANK else NO_RANK,
                           TIMEOUT_CAUSES.index(cause) if cause in TIMEOUT_CAUSES else 0)
 
@@ -78,7 +96,7 @@ class Mailbox:
         self._late = {}                       # comm -> AbortNotice of a collective ended here
         self._retired = {}                    # comm -> highest retired seq
         self._failed_upto = {}                # comm -> highest seq that failed here
-        self.revoked = {}                     # comm -> why every call on it fails (Revoked)
+        self.revoked = {}                     # comm -> why calls on it fail (a Revocation)
         # peer -> when it failed to answer a liveness check, until anything comes from it
         self.quiet = {}
         self.dropped = 0
@@ -97,8 +115,8 @@ class Mailbox:
                                  None if lost == NO_RANK else lost,
                                  TIMEOUT_CAUSES[cause] if cause < len(TIMEOUT_CAUSES) else None,
                                  bytes(payload).decode("utf-8", "replace"))
-            if notice.kind is Revoked:  # revoked there: here too, whatever this rank has seen
-                self.revoked.setdefault(key.comm_id, notice.reason)
+            if COLLECTIVES <= code <= LOST:  # revoked there: here too, whatever this rank has seen
+                self.revoked.setdefault(key.comm_id, Revocation(notice.reason, code, notice.rank))
                 return  # every wait on it checks the revocation: no notice to keep
             if key.seq <= self._failed_upto.get(key.comm_id, -1):
                 return  # this rank failed that collective, or a later one: it has told its caller
@@ -217,6 +235,16 @@ class Mailbox:
         if flow in self._flooded:
             raise CommError(f"rank {src} sent more than a well-behaved rank can "
                             f"({self._flooded[flow]}); its data was refused")
+
+    def forget(self, comm_id):
+        """Drop every message and notice of ``comm_id`` (revoked and replaced: nothing of it
+        will be taken)."""
+        self._messages = {i: m for i, m in self._messages.items() if i[1] != comm_id}
+        self._arrivals = {i: n for i, n in self._arrivals.items() if i[1] != comm_id}
+        self._notices = {k: n for k, n in self._notices.items() if k[0] != comm_id}
+        self._signatures = defaultdict(dict, {k: v for k, v in self._signatures.items() if k[0] != comm_id})
+        self._p2p_pending = defaultdict(int, {f: n for f, n in self._p2p_pending.items() if f[1] != comm_id})
+        self._late.pop(comm_id, None)
 
     def retired(self, comm_id):
         """The highest retired sequence number of ``comm_id`` (-1: none yet)."""

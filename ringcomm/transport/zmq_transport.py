@@ -94,6 +94,7 @@ class ZmqTransport(Transport):
                                        drain=lambda: self._drain())  # (a forked child's refusal holds)
         # answered by the connections themselves (no call of the transport's own per wait)
         self.check_peers, self._said_bye = self.connections.check_peers, self.connections.said_bye
+        self.lost, self.forget = self.connections.lost, self.connections.forget
         self._in_flight = collections.deque()  # MessageTrackers of zero-copy sends
         self._monitors_seen = 0.0  # when the monitor sockets were last polled
         self._rejected = 0  # frames through ZeroMQ refused (see rejected)

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from ringcomm.errors import CommError, FrameError
 from ringcomm.transport import frame
-from ringcomm.transport.frame import HEADER, MAGIC, MAX_ABORT_BYTES, VERSION, Header, Key, Kind, Space
+from ringcomm.transport.frame import (HEADER, MAGIC, MAX_ABORT_BYTES, MAX_AGREE_BYTES, VERSION, Header, Key, Kind,
+                                     Space)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,7 +26,7 @@ def test_header_layout():
     raw = frame.pack(Kind.DATA, 3, Key(0x11, 1, 0x22, 0x33, 0x44), 0x55, bytes(range(16)))
     assert len(raw) == 56
     assert raw[OFF_MAGIC:OFF_MAGIC + 4] == b"RCM1"
-    assert raw[OFF_VERSION] == VERSION == 6
+    assert raw[OFF_VERSION] == VERSION == 7
     assert raw[OFF_KIND] == Kind.DATA
     assert raw[OFF_SPACE] == 1
     assert raw[OFF_PAD] == 0
@@ -45,7 +46,8 @@ def messages(draw):
     self_rank = draw(st.integers(0, world - 1).filter(lambda r: r != src))
     kind = draw(st.sampled_from(list(Kind)))
     key = Key(draw(U32), draw(st.sampled_from(list(Space))), draw(U64), draw(U32), draw(U32))
-    nbytes = draw(st.integers(0, MAX_ABORT_BYTES) if kind == Kind.ABORT else U64)
+    limit = {Kind.ABORT: MAX_ABORT_BYTES, Kind.AGREE: MAX_AGREE_BYTES}.get(kind)
+    nbytes = draw(U64 if limit is None else st.integers(0, limit))
     return kind, src, key, nbytes, draw(SIG), world, self_rank
 
 
@@ -101,13 +103,13 @@ def test_rejects_bad_magic(magic):
         frame.unpack(patched(good_raw(), OFF_MAGIC, magic), 12, 4, 0)
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, 255])
 def test_rejects_wrong_version(version):
     with pytest.raises(FrameError, match="version"):
         frame.unpack(patched(good_raw(), OFF_VERSION, bytes([version])), 12, 4, 0)
 
 
-@pytest.mark.parametrize("kind", [0, 11, 12, 255])
+@pytest.mark.parametrize("kind", [0, 12, 13, 255])
 def test_rejects_unknown_kind(kind):
     with pytest.raises(FrameError, match="kind"):
         frame.unpack(patched(good_raw(), OFF_KIND, bytes([kind])), 12, 4, 0)
@@ -146,6 +148,14 @@ def test_abort_size_limit():
     # the limit is for aborts only: a data frame may be larger
     raw = good_raw(nbytes=MAX_ABORT_BYTES + 1)
     assert frame.unpack(raw, MAX_ABORT_BYTES + 1, 4, 0).nbytes == MAX_ABORT_BYTES + 1
+
+
+def test_agreement_size_limit():
+    raw = good_raw(kind=Kind.AGREE, nbytes=MAX_AGREE_BYTES)
+    assert frame.unpack(raw, MAX_AGREE_BYTES, 4, 0).kind is Kind.AGREE
+    raw = good_raw(kind=Kind.AGREE, nbytes=MAX_AGREE_BYTES + 1)
+    with pytest.raises(FrameError, match="agreement"):
+        frame.unpack(raw, MAX_AGREE_BYTES + 1, 4, 0)
 
 
 @pytest.mark.parametrize("length", [0, 1, 55, 57, 112])

@@ -5,13 +5,14 @@ import time
 import numpy as np
 import pytest
 
-from ringcomm.errors import (CollectiveMismatch, CommError, CommTimeout, FrameError, PeerLost, Revoked,
+from ringcomm.errors import (CollectiveMismatch, CommError, CommTimeout, FrameError, PeerLost, RanksLost, Revoked,
                              SignatureMismatch)
 from ringcomm.transport.frame import Header, Key, Kind
 from ringcomm.session import Session
 from ringcomm.transport.local import LocalHub
 from ringcomm.collective import error_for
-from ringcomm.transport.mailbox import ABORT_CLASSES, ABORT_SIG, NO_RANK, AbortNotice, Mailbox, abort_code
+from ringcomm.transport.mailbox import (ABORT_CLASSES, ABORT_SIG, NO_RANK, AbortNotice, Mailbox, Revocation,
+                                       abort_code)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -123,7 +124,7 @@ def test_point_to_point_checks_only_its_own_message():
 
 # -- aborts --------------------------------------------------------------------------------------
 
-FILED = sorted((code, cls) for code, cls in ABORT_CLASSES.items() if cls is not Revoked)  # see below
+FILED = sorted((code, cls) for code, cls in ABORT_CLASSES.items() if not issubclass(cls, Revoked))  # see below
 
 
 @pytest.mark.parametrize("code, cls", FILED + [(0, CommError), (99, CommError)])
@@ -182,7 +183,8 @@ def test_abort_carries_a_timeouts_cause(cause, name):
 
 
 def test_abort_mapping_is_the_documented_one():
-    assert {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked} == ABORT_CLASSES
+    assert {1: CollectiveMismatch, 2: CommTimeout, 3: PeerLost, 4: CommError, 5: Revoked, 6: Revoked,
+            7: RanksLost} == ABORT_CLASSES
 
 
 def test_a_revoked_abort_revokes_the_communicator_here_whatever_its_collective():
@@ -191,12 +193,23 @@ def test_a_revoked_abort_revokes_the_communicator_here_whatever_its_collective()
     box = Mailbox()
     box.retire(0, 3, failed=True)                   # this rank failed #3 (and told its caller)
     put(box, abort(1, comm_id=0, seq=3, code=5))    # the news of #3 itself is dropped ...
-    assert box.revoked == {0: "it broke"}           # ... but the revocation holds from now on
+    assert box.revoked == {0: Revocation("it broke", 5)}  # ... but the revocation holds from now on
     put(box, abort(2, comm_id=7, seq=9, code=5, reason=b"other"))
-    assert box.revoked == {0: "it broke", 7: "other"}
+    assert box.revoked == {0: Revocation("it broke", 5), 7: Revocation("other", 5)}
     put(box, abort(1, comm_id=7, seq=10, code=5, reason=b"later"))
-    assert box.revoked[7] == "other"                # the first reason stays
+    assert box.revoked[7].why == "other"            # the first reason stays
     assert box.take(1, Key(7, 0, 9, 0, 0), SIG_A) is None  # no notice: the revocation raises
+
+
+def test_revocations_of_every_call_and_for_lost_ranks_keep_their_kind():
+    box = Mailbox()
+    put(box, abort(1, comm_id=4, seq=0, code=6, reason=b"revoked"))
+    put(box, abort(1, comm_id=5, seq=0, code=7, lost=2, reason=b"lost ranks [2, 3]"))
+    assert box.revoked == {4: Revocation("revoked", 6, None), 5: Revocation("lost ranks [2, 3]", 7, 2)}
+    plain, lost = box.revoked[4].error(), box.revoked[5].error()
+    assert type(plain) is Revoked and str(plain) == "revoked"
+    assert type(lost) is RanksLost and isinstance(lost, PeerLost) and isinstance(lost, Revoked)
+    assert lost.rank == 2 and "[2, 3]" in str(lost)
 
 
 def test_abort_precedes_pending_message_and_does_not_touch_others():

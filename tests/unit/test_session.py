@@ -44,8 +44,8 @@ class RecordingWire(Transport):
 
 def test_the_wire_is_a_handful_of_methods():
     public = {name for name, _ in inspect.getmembers(Transport, inspect.isfunction) if not name.startswith("_")}
-    assert public == {"attach", "post", "pump", "send_data", "check_peers", "has_left", "flush", "wake",
-                      "close", "take_slot", "send_slot", "give_back_slot", "slot_of"}
+    assert public == {"attach", "post", "pump", "send_data", "check_peers", "lost", "forget", "has_left", "flush",
+                      "wake", "close", "take_slot", "send_slot", "give_back_slot", "slot_of"}
     protocol = {"probe", "abort", "retire", "started", "raise_news", "revoke", "await_room", "recv", "poll"}
     assert not protocol & set(dir(Transport)), "the protocol belongs to the session, not the wire"
 
