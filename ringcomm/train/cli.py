@@ -17,6 +17,12 @@ every rank's state into ``D/step_NNNNNN/`` every K steps and after the last one;
 continues from the newest complete checkpoint in D (or starts fresh, saying so), on the same
 or another number of ranks. With ``python -m ringcomm.launch --max-restarts K ... --resume``
 a job whose worker dies restarts from its last checkpoint.
+
+``--elastic`` (under ``python -m ringcomm.launch --on-failure continue``): a lost rank does not
+end the job; the survivors agree whether the step in progress was taken, shrink the world,
+rebuild the job over the ranks left from the model state in their memory and go on, on the
+same global batches (:mod:`.elastic`; ``ddp`` for now: other layouts say so at start and
+fall back to the checkpoint restart).
 """
 from .config import parse_args
 from .trainer import train

@@ -78,6 +78,8 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "save a checkpoint every K steps (and after the last step; 0: only then)",
                                  metavar="K")
     resume: bool = _opt(False, "continue from the newest complete checkpoint in --checkpoint-dir")
+    elastic: bool = _opt(False, "go on past a lost rank (under ringcomm.launch --on-failure continue): the "
+                         "survivors shrink the world, rebuild the job and redo the step (ddp)")
     overwrite: bool = _opt(False, "replace the checkpoints already in --checkpoint-dir (without it, or "
                            "--resume, a run refuses to start there)")
 
@@ -203,6 +205,12 @@ def _check_gpt(cfg):
         raise ValueError(f"--sp needs the positions per cp rank ({cfg.seq_len // cfg.cp}) to divide by --tp {cfg.tp}")
 
 
+def uneven_batches(cfg):
+    """Whether the ranks' shares of a global batch may differ by a row: with ``--elastic`` on
+    a data-parallel layout (a world shrunk by a loss divides the batch as it can)."""
+    return cfg.elastic and not cfg.model_parallel
+
+
 def _data_parallel_size(cfg, world_size):
     """The data-parallel size the world leaves (``--dp``, or N / (cp·pp·tp)), checked
     against the world, the batch and the micro-batches."""
@@ -216,7 +224,7 @@ def _data_parallel_size(cfg, world_size):
     if dp * inner != world_size:
         raise ValueError(f"--dp {dp} × --cp {cfg.cp} × --pp {cfg.pp} × --tp {cfg.tp} = {dp * inner}, "
                          f"but the world has {world_size} ranks")
-    if cfg.batch_size % dp:
+    if cfg.batch_size % dp and not uneven_batches(cfg):
         size = f"world size {world_size}" if dp == world_size else f"data-parallel size (--dp) {dp}"
         raise ValueError(f"--batch-size {cfg.batch_size} does not divide by the {size}")
     if (cfg.batch_size // dp) % cfg.micro_batches:

@@ -105,11 +105,13 @@ def _labels(path, name, raw, classes):
 class BatchOrder:
     """Which rows form global batch ``step``, and which of them are this rank's."""
 
-    def __init__(self, samples, batch_size, world_size, seed):
+    def __init__(self, samples, batch_size, world_size, seed, uneven=False):
         if batch_size > samples:
             raise ValueError(f"--batch-size {batch_size} exceeds the {samples} training samples")
-        if batch_size % world_size:
+        if batch_size % world_size and not uneven:
             raise ValueError(f"--batch-size {batch_size} does not divide by the world size {world_size}")
+        if batch_size < world_size:
+            raise ValueError(f"--batch-size {batch_size} leaves some of the {world_size} ranks no rows")
         self.samples, self.batch_size, self.world_size, self.seed = samples, batch_size, world_size, seed
         self.per_epoch = samples // batch_size
         self._epoch, self._perm = None, None
@@ -122,5 +124,7 @@ class BatchOrder:
         return self._perm[index * self.batch_size:(index + 1) * self.batch_size]
 
     def local_rows(self, step, rank):
-        per_rank = self.batch_size // self.world_size
-        return self.global_rows(step)[rank * per_rank:(rank + 1) * per_rank]
+        """Rank ``rank``'s share of the global batch: an equal one, or with ``uneven`` (a
+        world shrunk by a loss) shares that differ by one row at most."""
+        rows, n = self.global_rows(step), self.world_size
+        return rows[rank * self.batch_size // n:(rank + 1) * self.batch_size // n]

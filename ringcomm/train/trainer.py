@@ -8,6 +8,7 @@ pipeline schedule (:mod:`.parallel.step`), checkpoints (:mod:`.checkpoint`) and 
 
 >>> document, strategy = train(comm, TrainConfig(model="gpt", cp=2, tp=2, steps=10))
 """
+import dataclasses
 import os
 import statistics
 import time
@@ -15,14 +16,15 @@ import time
 import numpy as np
 
 from ..arrays import to_host
-from . import corpus, data as datasets
+from ..errors import PeerLost
+from . import corpus, data as datasets, elastic as elastic_training
 from .accounting import report
 from .accounting.memory import ZERO_STAGES, MemoryRegistry
 from .accounting.peak import PeakWatch, allocated_by
 from .accounting.trace import Tracer
 from .checkpoint import files as checkpoint_files, state as checkpoint_state
 from .checkpoint.layout import Placement
-from .config import validate
+from .config import uneven_batches, validate
 from .models import stage as stages
 from .models.gpt import held_out_loss
 from .models.mlp import predict
@@ -68,13 +70,15 @@ def array_module_for(comm):
 class Job:
     """Everything one rank builds before the first step."""
 
-    def __init__(self, comm, cfg):
+    def __init__(self, comm, cfg, fresh=True):
+        """``fresh=False``: the job again over a world shrunk by a loss (``--elastic``)."""
         # every check that can fail on its own comes before the first byte is sent
         self.cfg = cfg = validate(cfg, comm.world_size)
         self.rank = comm.rank
-        self.replaced = self.check_checkpoint_dir()
+        self.replaced = self.check_checkpoint_dir() if fresh else []
         self.dataset = load_data(cfg)
-        self.order = datasets.BatchOrder(len(self.dataset.x), cfg.batch_size, cfg.dp, cfg.seed)
+        self.order = datasets.BatchOrder(len(self.dataset.x), cfg.batch_size, cfg.dp, cfg.seed,
+                                         uneven=uneven_batches(cfg))
         self.mesh = meshes.build(comm, cfg.dp, cfg.cp, cfg.pp, cfg.tp, tied=cfg.model == "gpt")
         self.meta = comm.new_group(list(range(comm.world_size)))  # control traffic, not counted
         self.xp = array_module_for(comm)
@@ -186,7 +190,7 @@ def train(comm, cfg, out=print):
     holds this rank's final model state. With ``cfg.resume`` the run continues from the
     newest complete checkpoint, and the document's losses include those before it."""
     job = Job(comm, cfg)
-    cfg, mesh, strategy, runner = job.cfg, job.mesh, job.strategy, job.runner
+    mesh = job.mesh
     if job.rank == 0:
         out(report.banner(job))
         for entry in job.replaced:  # --overwrite: every rank has checked the directory by now
@@ -196,49 +200,97 @@ def train(comm, cfg, out=print):
     groups = report.dimension_groups(mesh)
     for group in groups.values():
         group.reset_stats()
-    times, idle = _run_steps(job, first, losses, out)
+    elastic = _elastic(comm, job, out)
+    job, times, idle, counted = _run_steps(job, first, losses, out, elastic)
+    if job.mesh is not mesh:  # rebuilt after a loss: the byte counts are the new groups'
+        groups = report.dimension_groups(job.mesh)
+    cfg, runner = job.cfg, job.runner
     params = job.full_params()
     quality = evaluate(job, params)
     step_time = statistics.median(times) if times else 0.0
     idle_fraction = sum(idle) / sum(times) if times and sum(times) else 0.0
-    per_rank = report.gather_per_rank(job, groups, len(times), step_time, idle_fraction)
+    per_rank = report.gather_per_rank(job, groups, counted, step_time, idle_fraction)
     document = report.metrics(job, losses, quality, params, per_rank)
     document["resumed_from_step"] = first or None  # None: a run from step 0
+    document["recoveries"] = [] if elastic is None else [
+        {"step": step, "lost": lost, "seconds": seconds, "step_taken": taken}
+        for step, lost, seconds, taken in elastic.recoveries]
     document["step_times_s"] = times  # this rank's, in order: how steady the steps are
     if job.rank == 0:
         out(report.summary(job, document, step_time))
         out(report.table(job, per_rank))
     _write_outputs(job, document, params, runner)
-    return document, strategy  # meta stays open: strategy.full_params() may still use it
+    return document, job.strategy  # meta stays open: strategy.full_params() may still use it
 
 
-def _run_steps(job, first, losses, out):
+def _elastic(comm, job, out):
+    """``--elastic``: this rank's :class:`~.elastic.Elastic`, its commit point set on the
+    strategy; None without it, or (said at start) where the layout cannot recover in memory."""
+    if not job.cfg.elastic:
+        return None
+    reason = elastic_training.unsupported(job.cfg)
+    if reason is not None:
+        if job.rank == 0:
+            out(f"ringcomm.train: --elastic: {reason}: a lost rank ends this job, and --resume "
+                f"continues it from its last checkpoint")
+        return None
+    elastic = elastic_training.Elastic(comm, out)
+    job.strategy.commit = elastic.commit
+    return elastic
+
+
+def _run_steps(job, first, losses, out, elastic=None):
     """Steps ``first`` to ``cfg.steps``, each loss appended to ``losses``, with progress
-    lines and checkpoints; returns this rank's step times and idle times (s)."""
-    cfg, runner = job.cfg, job.runner
+    lines and checkpoints; with ``elastic``, past lost ranks. Returns the job (rebuilt after
+    a loss), this rank's step times and idle times (s), and the steps its groups' byte
+    counts cover."""
+    cfg = job.cfg
     times, idle = [], []
     every = cfg.log_every or max(1, cfg.steps // 10)
     save_every = cfg.checkpoint_every if cfg.checkpoint_dir else 0
-    start = time.perf_counter()
-    for step in range(first, cfg.steps):
+    start, step, counted = time.perf_counter(), first, 0
+    while step < cfg.steps:
         x, y = job.batch(step)
-        watched = job.watch.watches(step - first)
+        watch = job.watch
+        watched = watch.watches(step - first)
         t0 = time.perf_counter()
         if watched:
-            job.watch.begin()
-        loss, _ = runner.step(x, y, job.denominator)
-        if watched:
-            job.watch.end()
+            watch.begin()
+        if elastic is not None:
+            elastic.outcome = None
+        try:
+            loss, _ = job.runner.step(x, y, job.denominator)
+        except (PeerLost, elastic_training.StepNotTaken):
+            # the step is redone unless the survivors took it (a step does not communicate
+            # after its commit point, so a loss raised here came before it)
+            if elastic is None or (elastic.outcome is not None and elastic.outcome[0]):
+                raise
+            if elastic.outcome is None:
+                elastic.failed()  # failed before its commit point: it votes against the step
+            job, counted = elastic.recover(job, lambda world: _rebuilt(world, cfg), step, taken=False), 0
+            continue
+        finally:
+            if watched:
+                watch.end()
         times.append(time.perf_counter() - t0)
-        idle.append(runner.idle)
+        idle.append(job.runner.idle)
         losses.append(loss)
+        counted += 1
+        if elastic is not None and elastic.lost:  # taken, a rank lost on the way: rebuild, go on
+            job, counted = elastic.recover(job, lambda world: _rebuilt(world, cfg), step, taken=True), 0
         if job.rank == 0 and ((step + 1) % every == 0 or step + 1 == cfg.steps):
             out(report.progress(job, step, losses[-1], (step + 1 - first) / (time.perf_counter() - start)))
         if cfg.checkpoint_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == cfg.steps):
-            path = checkpoint_state.save(job.meta, job.strategy, cfg, step + 1, losses, cfg.checkpoint_dir)
+            path = checkpoint_state.save(job.meta, job.strategy, job.cfg, step + 1, losses, cfg.checkpoint_dir)
             if job.rank == 0 and step + 1 == cfg.steps:
                 out(f"checkpoint {path}")
-    return times, idle
+        step += 1
+    return job, times, idle, counted
+
+
+def _rebuilt(world, cfg):
+    """The job over ``world``, a world shrunk by a loss (its layout found again for it)."""
+    return Job(world, dataclasses.replace(cfg, dp=0), fresh=False)
 
 
 def _write_outputs(job, document, params, runner):

@@ -170,6 +170,27 @@ def state_from_full(full, strategy):
     return state
 
 
+def in_memory(strategy):
+    """This rank's whole model state as a :class:`FullState`, from its own memory: for a
+    strategy whose every rank holds all of it (``checkpoint_kind`` "full"; see
+    :mod:`ringcomm.train.elastic`)."""
+    if strategy.checkpoint_kind != "full":
+        raise CheckpointError(f"--strategy {strategy.name} holds a shard of the model state per rank: "
+                              f"no rank has the whole of it in memory")
+    arrays = rank_arrays(strategy, 0, [], 0, strategy.rank, strategy.n)
+    params, m, v = (assemble("full", [arrays], key) for key in ("master", "m", "v"))
+    scaler = {k: arrays[name] for k, name in _SCALER_KEYS.items()}
+    model = decode(arrays["placement"])["model"]
+    return FullState({"model_specs": model}, params, m, v, int(arrays["t"]), scaler, np.zeros(0))
+
+
+def load_full(full, strategy):
+    """Put the whole state ``full`` into ``strategy`` under its own layout and place (every
+    rank at once: loading may communicate)."""
+    strategy.load_state(state_from_full(full, strategy))
+    strategy.scaler.load_state(full.scaler)
+
+
 def check_compatible(manifest, cfg):
     """Raise for a checkpoint that cannot continue ``cfg``; return warnings for settings
     that differ but can (the run then no longer replays the original one)."""

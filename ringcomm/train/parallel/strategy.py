@@ -14,7 +14,8 @@ them, ``group``), through hooks the step (:mod:`.step`) calls:
 - ``finish_backward()``: wait for gradient communication;
 - ``update(loss_share)``: the optimizer step on the state this rank owns, with the
   overflow decision, the global gradient norm and the loss agreed by every rank of the job
-  (one all-reduce over ``meta``), then sharing the result.
+  (one all-reduce over ``meta``; with ``--elastic`` then the commit point, see
+  :mod:`ringcomm.train.elastic`), then sharing the result.
 
 Every strategy's step leaves the model in exactly the state the single-process reference
 would reach, up to floating-point summation order.
@@ -54,6 +55,9 @@ class StrategyContext:
 class Strategy:
     name = "base"
     per_layer_units = False
+    # --elastic: called before the update changes anything; raises if the step is not to be
+    # taken (see ringcomm.train.elastic)
+    commit = None
 
     def __init__(self, ctx):
         """``ctx``: a :class:`StrategyContext`; the strategy keeps what it needs of it, not
@@ -90,6 +94,8 @@ class Strategy:
         else:  # nothing on the device to decide: the share alone comes over
             flags[2] = float(loss_share)
         self.meta.all_reduce(flags)  # overflow anywhere, squared norm of every piece once, loss
+        if self.commit is not None:  # --elastic: nothing changes unless every survivor agrees
+            self.commit()
         skipped = self.scaler.update(flags[0] > 0)
         if not skipped and grad is not None:
             if self.cfg.clip_grad_norm:

@@ -1,0 +1,100 @@
+"""Training that goes on past a lost rank (``--elastic``, under ``ringcomm.launch --on-failure
+continue``): the survivors shrink the world, rebuild the job over the ranks left, and go on
+from the step in which the loss happened, on the same global batches.
+
+**The commit point.** A step changes the model state only after every surviving rank has
+agreed that it may: right after the step's one job-wide all-reduce (overflow, gradient norm,
+loss) and before the loss scaler or the optimizer touch anything, each rank calls
+``world.agree(True)`` (:meth:`ringcomm.comm.Communicator.agree`), and a rank whose step failed
+before that point (a :class:`~ringcomm.errors.PeerLost` in a gradient all-reduce) calls
+``world.agree(False)`` instead, as the same agreement. Every surviving rank decides the same
+outcome, so a step is taken everywhere or nowhere: not taken, every survivor still holds the
+state from before it and the step is redone; taken with a rank lost on the way (it died
+after its gradients had reached everyone), every survivor holds the state after it and the
+next step is the next one.
+
+**Rebuilding.** The state every survivor needs is already in its memory: with ``ddp`` every
+rank holds the whole model state (parameters, Adam's moments, the loss scaler). It is taken
+out as a checkpoint would be (:func:`.checkpoint.state.in_memory`), the world is shrunk
+(``world.shrink()``), the job is built again over the ranks left (its data group is the new
+world, the global batch split over them: the rows of the lost rank are shared out, and a
+batch that does not divide gives the first ranks one row more), and each rank cuts its state
+out of the whole one. The global batch and the denominator of the loss stay as they were, so
+the run goes on as the uninterrupted run would, up to the order of the sums.
+
+Layouts that split the model (tp, pp, cp) cannot recover in memory (a lost rank takes parts
+of the model no other rank holds), and ZeRO's shards are not yet kept twice: with those, a
+lost rank ends the job as without ``--elastic``, and ``--resume`` continues it from its last
+checkpoint (the trainer says so at start).
+
+>>> elastic = Elastic(world, out=print)
+>>> strategy.commit = elastic.commit               # the strategy's commit point
+>>> job = elastic.recover(job, rebuild, step=12, taken=False)   # "lost rank(s) [2] in step 13; ..."
+"""
+import time
+
+from ..errors import CommError
+from .checkpoint import state as checkpoint_state
+
+IN_MEMORY = ("ddp",)  # strategies whose every rank holds the whole model state
+
+
+class StepNotTaken(CommError):
+    """The survivors agreed that the step in progress is taken nowhere."""
+
+
+def unsupported(cfg):
+    """Why ``cfg`` cannot recover a lost rank in memory (None: it can)."""
+    if cfg.model_parallel:
+        return ("tp, pp and cp layouts cannot recover a lost rank in memory (it takes parts of the "
+                "model no other rank holds)")
+    if cfg.strategy not in IN_MEMORY:
+        return (f"--strategy {cfg.strategy} keeps each shard of the model state on one rank only, so "
+                f"it cannot recover a lost rank in memory; use --strategy ddp")
+    return None
+
+
+class Elastic:
+    """This rank's part in elastic training over ``world`` (the job's world communicator)."""
+
+    def __init__(self, world, out):
+        self.world, self.out = world, out
+        self.outcome = None    # (flag, lost) of the latest commit point this rank passed
+        self.recoveries = []   # (step, lost global ranks, seconds, taken) per recovery
+
+    def commit(self):
+        """The strategy's commit point: True if the step is taken (alike on every survivor)."""
+        flag, lost = self.world.agree(True)
+        self.outcome = (flag, lost)
+        if not flag:
+            raise StepNotTaken(f"ranks {[self.world.ranks[r] for r in lost]} lost: the step is redone")
+        return True
+
+    def failed(self):
+        """This rank's step failed before its commit point: it takes part in the same
+        agreement, voting against the step (every survivor then redoes it)."""
+        self.outcome = self.world.agree(False)
+
+    @property
+    def lost(self):
+        """The global ranks the latest commit point found lost."""
+        return [] if self.outcome is None else [self.world.ranks[r] for r in self.outcome[1]]
+
+    def recover(self, job, rebuild, step, taken):
+        """The job over the survivors, with ``job``'s model state (``taken``: whether step
+        ``step``, counted from 0, was taken); ``rebuild(world)`` makes a job over a world."""
+        start, old = time.monotonic(), self.world.ranks
+        full = checkpoint_state.in_memory(job.strategy)
+        self.world = self.world.shrink()
+        lost = [r for r in old if r not in self.world.ranks]
+        new = rebuild(self.world)
+        checkpoint_state.load_full(full, new.strategy)
+        new.strategy.commit = self.commit
+        seconds = time.monotonic() - start
+        self.recoveries.append((step + 1, lost, seconds, taken))  # counted from 1, as progress is
+        if self.world.rank == 0:
+            self.out(f"ringcomm.train: lost rank(s) {lost} in step {step + 1}; going on with "
+                     f"{self.world.world_size} ranks ({'step taken' if taken else 'the step is redone'}), "
+                     f"rebuilt in {seconds:.2f} s")
+        self.outcome = None
+        return new
