@@ -4,9 +4,11 @@ the same value, even when more members die while they agree (what ``shrink`` res
 Terms, used exactly below:
 
 - *members*: the communicator's global ranks. A member is *lost* to this rank once this rank
-  has definite evidence of its end: its process ended, its connection dropped, it said
-  goodbye (see :mod:`ringcomm.transport.connections`); never a guess from silence. Evidence
-  that another member reports is taken as it is: it was definite there.
+  has evidence of its end: its process ended (definite, for a member on this host), it
+  said goodbye, or its connection dropped for longer than a grace (on another host the only
+  evidence there is: a network partition that long would be taken for a death); never a
+  guess from silence (see :mod:`ringcomm.transport.connections`). Evidence that another
+  member reports is taken as it is.
 - a *value*: ``Value(flag, lost)``, the AND of the members' flags and the union of the lost
   members they know of.
 - a *round* is led by its *coordinator*: the lowest member not known lost. A round is named
@@ -32,9 +34,9 @@ not lost, so once any member decides, every surviving member holds that value lo
 every later coordinator proposes it again. That rests on the evidence being definite (a
 member declared lost has ended): the failure detector the agreement of MPI's fault-tolerance
 interface assumes too. A member ignores PROPOSEs of rounds earlier than a COLLECT it
-answered, and one that decided still answers later rounds from its decision, and still
-leads one if every lower member is lost (:attr:`Agreement.idle` says when it has nothing
-left to do).
+answered, and one that decided still answers later rounds from its decision (it never acks
+another value), and still leads one if every lower member is lost (:attr:`Agreement.idle`
+says when it has nothing left to do).
 
 Cost: with no member lost on the way, 5(n−1) messages of ``body_bytes(world_size)`` bytes
 (the lowest member's two round trips and its COMMIT); each coordinator lost adds a round.
@@ -162,6 +164,7 @@ class Agreement:
     def enter(self, flag, lost):
         """This member enters with its ``flag`` and the members it knows ``lost``."""
         self.entered, self.flag = True, bool(flag)
+        self.lost |= {m for m in lost if m in self.members and m != self.me}  # told in the answers below
         out = [(c, STATE, c, self._state()) for c in sorted(self._asked) if c not in self.lost]
         self.promised = max([self.promised, *self._asked])
         self._asked.clear()
@@ -190,6 +193,8 @@ class Agreement:
                 return []  # from a round overtaken (its coordinator is lost)
             if self.decision is None:
                 self.locked, self.promised = (round_, body.value), round_
+            elif body.value != self.decision:
+                return []  # a round proposing another value than the decided one: never acked
             return [(src, ACK, round_, EMPTY)]
         if kind == COMMIT and round_ == src and body.value is not None and self.entered:
             self._decide(body.value)
@@ -232,7 +237,7 @@ class Agreement:
         for state in states:
             if state.decided:
                 return state.value
-        locked = [s for s in states if s.value is not None]
+        locked = [s for s in states if s.value is not None and s.round is not None]
         if locked:
             return max(locked, key=lambda s: s.round).value
         lost = set(self.lost)

@@ -6,7 +6,7 @@ communicator ran before; its members run them in the same order). Its messages t
 AGREE frames (key: the communicator, the epoch as ``seq``, the message's kind as ``step``
 and its round as ``segment``), whichever thread moves messages hands them in here, and what
 an agreement answers goes out at once. Messages for an agreement this rank has not entered
-yet are kept (a bounded number) until it does. The evidence an agreement goes on is the
+yet are kept (a bounded number, the oldest dropped first) until it does. The evidence an agreement goes on is the
 wire's :meth:`~ringcomm.transport.base.Transport.lost`.
 
 A member that decided may still be needed: if every lower member is lost before all the
@@ -55,9 +55,9 @@ class Agreements:
             return
         early = self._early.get(ident)
         if early is None:
-            if len(self._early) >= EARLY_AGREEMENTS:
+            if len(self._early) >= EARLY_AGREEMENTS:  # the oldest goes: a fresh one must get in
+                del self._early[next(iter(self._early))]
                 self.rejected += 1
-                return
             early = self._early[ident] = []
         if len(early) < EARLY_PER_AGREEMENT * self._session.world_size:
             early.append((header.src, key.step, key.segment, bytes(payload)))
@@ -75,11 +75,15 @@ class Agreements:
         running = self._running[ident] = agreement.Agreement(session.rank, members)
         for src, kind, round_, body in self._early.pop(ident, ()):
             self._feed(ident, running, src, kind, round_, body)
+        for stale in [i for i in self._early if i[0] == comm_id and i[1] < epoch]:
+            del self._early[stale]  # agreements this rank went past without entering
         self._send(ident, running.enter(flag, session.wire.lost()))
         while not running.idle:
             if session.stopping is not None:
                 raise CommError(f"{what}: {session.stopping}")
-            self._send(ident, running.on_lost(session.wire.lost()))
+            lost = session.wire.lost()
+            self._send(ident, running.on_lost(lost))
+            self._tend(lost)  # an earlier agreement may need this rank to lead meanwhile
             if running.idle:
                 break
             remaining = deadline - time.monotonic()
@@ -94,7 +98,7 @@ class Agreements:
                             f"and {running.conflict}: a rank found lost was still running")
         # every member that took part in this one has decided the earlier ones of comm_id
         for done in [i for i in self.duties if i[0] == comm_id and i[1] < epoch]:
-            del self.duties[done]
+            self.release(done)
         self.duties[ident] = running
         return running.decision
 
@@ -105,22 +109,27 @@ class Agreements:
         if now < self._next_tend:
             return
         self._next_tend = now + TEND_S
-        lost = self._session.wire.lost()
+        self._tend(self._session.wire.lost())
+
+    def _tend(self, lost):
         for ident, running in list(self.duties.items()):
             self._send(ident, running.on_lost(lost))
 
     def release(self, ident):
-        """Agreement ``ident`` is decided on every member: it has nothing left to do."""
+        """Agreement ``ident`` is decided on every member: it has nothing left to do, and no
+        member will ask this rank about it again."""
         self.duties.pop(ident, None)
+        self._running.pop(ident, None)
 
     def _feed(self, ident, running, src, kind, round_, data):
         try:
             body = agreement.unpack(data, self._session.world_size, running.members)
-        except ValueError as exc:
+            answers = running.on_message(src, kind, round_, body)
+        except (ValueError, TypeError) as exc:  # (on the thread that moves messages: never raise)
             self.rejected += 1
             log.warning("rank %d refused an agreement message from rank %d: %s", self._session.rank, src, exc)
             return
-        self._send(ident, running.on_message(src, kind, round_, body))
+        self._send(ident, answers)
 
     def _send(self, ident, messages):
         session = self._session

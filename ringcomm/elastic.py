@@ -11,19 +11,22 @@
   fails on every survivor with :class:`~ringcomm.errors.RanksLost` naming the lost ranks),
   the survivors agree on which members are lost (:mod:`ringcomm.agreement`: every survivor
   decides the same set, even when another rank dies while they agree), and each gets a new
-  communicator over the rest, ranks renumbered in their old order. Before it returns, one
-  barrier over the new communicator proves that every member reached it; a member lost
-  meanwhile fails that barrier, and the survivors shrink again, so a communicator comes back
-  only once its every member has agreed on it.
+  communicator over the rest, ranks renumbered in their old order. Before it returns, the
+  new communicator's first agreement proves that every member reached it; a member lost
+  meanwhile shows in its outcome, alike on every survivor, and the survivors shrink again,
+  so a communicator comes back only once its every member has agreed on it.
 
 What it guarantees: every survivor that returns from ``shrink`` returns a communicator over
 the same members, under the same name and id, and no call of the old communicator completes
-on one survivor after another has left it (revoked). A rank the others found lost (its
-process lived on, its connections dropped) is told so and gets no communicator. The lost
-ranks' evidence is definite: a process that ended, a connection dropped, a goodbye (a rank
-that stops answering without any of these holds the agreement up until the communicator's
-timeout, which names it). Sub-groups shrink the same way, their members alone; a group
-that held a lost rank and is not shrunk fails on its next wait for that rank.
+on one survivor after another has left it (revoked). On one host the evidence of a loss is
+definite (the process ended, or said goodbye); across hosts a connection dropped for longer
+than its grace is taken for a death, so a network partition that long could split the job.
+A rank that stops answering without any of these holds the agreement up until the
+communicator's timeout, which names it; a rank the others found lost gets no communicator
+(told so when it hears the outcome, else at its timeout). Sub-groups shrink the same way,
+their members alone; a group that held a lost rank and is not shrunk fails on its next wait
+for that rank. The old communicator stays revoked (the shrunk world owns the engine from
+then on: closing the old world closes nothing else).
 
 Agreements and shrinks of one communicator are numbered in the order each member calls
 them: every member calls them in the same order.
@@ -34,13 +37,13 @@ them: every member calls them in the same order.
 ...     comm = comm.shrink()   # ranks 0, 1, 3 of 4 after rank 2 died: ranks 0, 1, 2 of 3
 >>> comm.agree(step_ok)        # rank 1 of 3 passed False: (False, ()) on every rank
 """
-import contextlib
+import atexit
 import time
 import zlib
 
 import numpy as np
 
-from .errors import CommError, PeerLost
+from .errors import CommError
 from .transport.mailbox import EVERY_CALL, LOST
 
 
@@ -53,19 +56,14 @@ def revoke(comm):
 
 def shrink(comm):
     """The communicator over ``comm``'s members not lost (see the module)."""
-    decided = []  # the agreements this rank may still have to lead (see ringcomm.agreements)
-    try:
-        while True:
-            comm, agreement = _agreed(comm)
-            decided.append(agreement)
-            try:
-                comm.barrier()  # every member reached it: each has decided every agreement
-                return comm
-            except PeerLost:
-                continue  # a member was lost since it agreed: shrink the new one too
-    finally:
-        with contextlib.suppress(CommError):  # closed meanwhile: nothing is left to lead
-            _on_engine(comm, lambda session: [session.agreements.release(a) for a in decided], "release")
+    while True:
+        comm, decided = _agreed(comm)
+        # the first agreement of the new communicator: every member that took part has
+        # decided the old one; a member lost since makes every survivor shrink again, alike
+        _, lost = comm.agree(True)
+        _on_engine(comm, lambda session, done=decided: session.agreements.release(done), "release")
+        if not lost:
+            return comm
 
 
 def _agreed(comm):
@@ -76,10 +74,10 @@ def _agreed(comm):
     me, members = comm.ranks[comm.rank], comm.ranks
     epoch, what = _next_epoch(comm, "shrink")
     known = sorted(_on_engine(comm, lambda session: session.wire.lost() & set(members), what))
-    if known:
-        caller.revoke(f"{comm.name} lost ranks {known}; rank {me} shrinks it", LOST, known[0])
-    else:
-        caller.revoke(f"rank {me} shrinks {comm.name}", EVERY_CALL)
+    # RanksLost even before this rank's own evidence is in (it may have heard of the loss
+    # from another rank): a survivor's call in flight raises a PeerLost, as it expects
+    caller.revoke(f"{comm.name} lost ranks {known or '(not yet seen here)'}; rank {me} shrinks it", LOST,
+                  known[0] if known else None)
     deadline = time.monotonic() + comm.timeout
     value = _on_engine(comm, lambda session: session.agreements.run(
         comm.comm_id, epoch, members, True, deadline, what), what)
@@ -124,7 +122,11 @@ def _made(comm, survivors, comm_id, name):
                         timeout=comm.timeout, segment_bytes=comm.segment_bytes, is_world=comm._is_world,
                         device=comm._device, local_rank=local_rank, local_world_size=local_world_size)
     shrunk.guard_threads = comm.guard_threads
+    if comm._is_world:  # the shrunk world now owns the engine: closing the old one frees it alone
+        comm._is_world = False
+        atexit.register(shrunk.close)
     return shrunk
+
 
 
 def _on_engine(comm, fn, what):

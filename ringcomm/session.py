@@ -164,14 +164,14 @@ class Session:
         whether it is a collective or a point-to-point call) that the call was not revoked."""
         if self.stopping is not None:
             raise CommError(f"{what}: {self.stopping}")
+        if self.agreements.duties:  # before a loss raises below: it may be what they need
+            self.agreements.tend()
         # a loss fails the waits of the communicators it belongs to, not the others'
         self.wire.check_peers(what, peer, None if comm_id is None else self.members.get(comm_id))
         if self.mailbox.quiet:
             self._check_quiet(peer, what)
         if self.revoked and comm_id is not None:
             self.check_revoked(comm_id, space == POINT_TO_POINT)
-        if self.agreements.duties:
-            self.agreements.tend()
 
     # -- sending -----------------------------------------------------------------------------
     def send(self, dst, key, sig, payload, copy=False):
@@ -234,12 +234,13 @@ class Session:
         ``code`` :data:`~.transport.mailbox.EVERY_CALL` or ``LOST`` its point-to-point calls
         too, ``rank`` the first lost; a wait in progress wakes to see it) and note that
         ``members`` are still to be told (:meth:`announce_revoked`). False if it was revoked
-        already (here or elsewhere, and then every member was told)."""
-        if comm_id in self.revoked:
+        already as strongly (here or elsewhere, and then every member was told)."""
+        known = self.revoked.get(comm_id)
+        if known is not None and known.code >= code:  # a stronger one (more calls fail) replaces it
             return False
         revocation = Revocation(why, code, rank)
         self.unannounced[comm_id] = (members, revocation)
-        self.revoked.setdefault(comm_id, revocation)
+        self.revoked[comm_id] = revocation
         self.wire.wake()
         return True
 

@@ -67,7 +67,8 @@ a failure, 130 on SIGINT and 143 on SIGTERM (forwarded to workers as SIGTERM).
 With ``--on-failure continue`` a failed worker is reported as it ends (``ringcomm.launch:
 rank 2 (local rank 2, pid 1234) was lost: killed by signal 9 (SIGKILL); 3 rank(s) here go
 on``) and nothing is stopped; the job ends when every worker has ended, with status 0 if
-some exited 0 and every other one was lost to a signal, else 1.
+some exited 0 and every other one was lost to a signal (a crash counts as one), else 1. With
+several nodes each node's launcher decides its own status from its own workers.
 
 Examples::
 

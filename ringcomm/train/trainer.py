@@ -234,6 +234,9 @@ def _elastic(comm, job, out):
             out(f"ringcomm.train: --elastic: {reason}: a lost rank ends this job, and --resume "
                 f"continues it from its last checkpoint")
         return None
+    if job.rank == 0 and os.environ.get("RINGCOMM_ERROR_FILE") and os.environ.get("RINGCOMM_ON_FAILURE") != "continue":
+        out("ringcomm.train: warning: --elastic under ringcomm.launch without --on-failure continue: the "
+            "launcher stops every worker as soon as one is lost")
     elastic = elastic_training.Elastic(comm, out)
     job.strategy.commit = elastic.commit
     return elastic

@@ -116,7 +116,9 @@ class Mailbox:
                                  TIMEOUT_CAUSES[cause] if cause < len(TIMEOUT_CAUSES) else None,
                                  bytes(payload).decode("utf-8", "replace"))
             if COLLECTIVES <= code <= LOST:  # revoked there: here too, whatever this rank has seen
-                self.revoked.setdefault(key.comm_id, Revocation(notice.reason, code, notice.rank))
+                known = self.revoked.get(key.comm_id)
+                if known is None or known.code < code:  # a stronger revocation replaces a weaker
+                    self.revoked[key.comm_id] = Revocation(notice.reason, code, notice.rank)
                 return  # every wait on it checks the revocation: no notice to keep
             if key.seq <= self._failed_upto.get(key.comm_id, -1):
                 return  # this rank failed that collective, or a later one: it has told its caller

@@ -156,3 +156,31 @@ def test_bodies_round_trip_and_bad_ones_are_refused(world):
         bad[-1] |= 0x80  # a bit past the world
         with pytest.raises(ValueError, match="beyond"):
             unpack(bytes(bad), world, members)
+
+
+def test_a_state_with_a_value_but_no_round_does_not_break_the_coordinator():
+    """Another rank's bug (or malice): a STATE that carries a locked value without the round
+    that proposed it is not a locked value; the coordinator goes on."""
+    a = Agreement(0, range(2))
+    [(_, kind, _, _)] = a.enter(True, set())
+    assert kind == COLLECT
+    odd = unpack(pack(Body(True, frozenset(), Value(True, frozenset({1})), None, False), 2), 2, {0, 1})
+    out = a.on_message(1, STATE, 0, odd)
+    assert [o[1] for o in out] == [PROPOSE] and out[0][3].value == Value(True, frozenset())
+
+
+def test_a_decided_member_never_acks_another_value():
+    a = Agreement(2, range(3))
+    a.enter(True, set())
+    a.on_message(0, COLLECT, 0, EMPTY)
+    a.on_message(0, PROPOSE, 0, Body(value=Value(True, frozenset())))
+    a.on_message(0, COMMIT, 0, Body(value=Value(True, frozenset())))
+    assert a.on_message(1, PROPOSE, 1, Body(value=Value(True, frozenset({0})))) == []
+    assert a.on_message(1, PROPOSE, 1, Body(value=Value(True, frozenset())))[0][1] == ACK
+
+
+def test_a_member_entering_late_tells_the_losses_it_knows_in_its_first_answer():
+    a = Agreement(1, range(3))
+    a.on_message(0, COLLECT, 0, EMPTY)  # asked before it entered
+    [(_, kind, _, state)] = a.enter(True, {2})
+    assert kind == STATE and state.known == frozenset({2})

@@ -6,12 +6,12 @@ import time
 import pytest
 
 from ringcomm import session as session_module
-from ringcomm.errors import CommError, CommTimeout, PeerLost, Revoked
+from ringcomm.errors import CommError, CommTimeout, PeerLost, RanksLost, Revoked
 from ringcomm.session import FINISHED, INSIDE, NOT_REACHED, Session
 from ringcomm.transport import frame
 from ringcomm.transport.base import Transport
-from ringcomm.transport.frame import COLLECTIVE, Key, Kind
-from ringcomm.transport.mailbox import ABORT_SIG, AbortNotice, abort_sig
+from ringcomm.transport.frame import COLLECTIVE, POINT_TO_POINT, Key, Kind
+from ringcomm.transport.mailbox import ABORT_SIG, COLLECTIVES, LOST, AbortNotice, abort_sig
 
 pytestmark = pytest.mark.timeout(30)
 SIG = bytes(16)
@@ -132,6 +132,23 @@ def test_a_revoked_communicator_fails_its_waits_and_is_told_to_its_members_once(
     s.announce_revoked(3)
     s.announce_revoked(3)
     assert [(dst, h.kind) for dst, h, _ in wire.posted] == [(1, Kind.ABORT), (2, Kind.ABORT)]
+
+
+def test_a_stronger_revocation_replaces_a_weaker_one_and_is_told_again():
+    """Two threads revoked the collectives alone; a shrink then revokes every call: the
+    point-to-point calls that went on fail too, and the members hear of it once more."""
+    wire = RecordingWire()
+    s = Session(wire)
+    assert s.revoke(3, [1], "two threads")
+    s.announce_revoked(3)
+    assert s.poll(1, Key(3, POINT_TO_POINT, 0, 5, 0), SIG, time.monotonic() + 10, "recv") is None  # goes on
+    assert s.revoke(3, [1], "lost ranks [2]", LOST, 2) and not s.revoke(3, [1], "weaker", COLLECTIVES)
+    with pytest.raises(RanksLost, match=r"lost ranks \[2\]") as info:
+        s.poll(1, Key(3, POINT_TO_POINT, 0, 5, 0), SIG, time.monotonic() + 10, "recv")
+    assert info.value.rank == 2 and isinstance(info.value, PeerLost)
+    s.announce_revoked(3)
+    codes = [ABORT_SIG.unpack(h.sig)[0] for _, h, _ in wire.posted]
+    assert codes == [COLLECTIVES, LOST]
 
 
 def test_a_stopped_session_fails_every_wait_and_closes_the_wire_without_waiting():
