@@ -14,7 +14,7 @@ the new communicator and its barrier). The table gives median and worst over the
 survivors of every trial.
 
 ``--train`` measures the elastic trainer instead (``python -m ringcomm.train --elastic``,
-ddp, the MLP): the victim kills itself as a step begins; the time from the kill to the
+the MLP, ``--strategy``): the victim kills itself as a step begins; the time from the kill to the
 moment each survivor begins the step after it (the lost step redone over N−1 ranks: the
 detection, the agreement that the step is not taken, the shrink, the job rebuilt, the step).
 """
@@ -82,19 +82,19 @@ finally:
     with open(os.path.join(out, f"rank{me}"), "w") as f:
         f.write(repr(begun.get(kill_step + 1)))
 """
-TRAIN_ARGS = ["--elastic", "--strategy", "ddp", "--layers", "64,256,256,10", "--batch-size", "256",
-              "--samples", "8192", "--steps", "30"]
+TRAIN_ARGS = ["--elastic", "--layers", "64,256,256,10", "--batch-size", "256", "--samples", "8192", "--steps", "30"]
 KILL_STEP = 20
 
 
-def train_trial(nproc, seed):
+def train_trial(nproc, seed, strategy):
     """``[seconds from the kill to the step after the redone one]``, one per survivor."""
     with tempfile.TemporaryDirectory() as out:
         script = os.path.join(out, "worker.py")
         with open(script, "w") as f:
             f.write(TRAIN_WORKER)
         done = subprocess.run([sys.executable, "-m", "ringcomm.launch", "--nproc", str(nproc), "--on-failure",
-                               "continue", "--timeout", "30", script, str(seed), out, str(KILL_STEP), *TRAIN_ARGS],
+                               "continue", "--timeout", "30", script, str(seed), out, str(KILL_STEP), *TRAIN_ARGS,
+                               "--strategy", strategy],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise SystemExit(f"trial {seed} failed:\n{done.stderr[-3000:]}")
@@ -139,14 +139,17 @@ def main():
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--size", type=parse_size, default=1 << 20)
     parser.add_argument("--train", action="store_true", help="the elastic trainer instead of all-reduces")
+    parser.add_argument("--strategy", default="ddp", choices=("ddp", "zero1", "zero2", "zero3"),
+                        help="--train: the trainer's strategy")
     args = parser.parse_args()
     if args.train:
         times = []
         for seed in range(args.trials):
-            times += train_trial(args.nproc, seed)
+            times += train_trial(args.nproc, seed, args.strategy)
             print(f"trial {seed + 1}/{args.trials}: worst {max(times[-(args.nproc - 1):]):.3f} s", file=sys.stderr,
                   flush=True)
-        print(f"# python -m ringcomm.train {' '.join(TRAIN_ARGS)}, N = {args.nproc} -> {args.nproc - 1}, "
+        print(f"# python -m ringcomm.train {' '.join(TRAIN_ARGS)} --strategy {args.strategy}, "
+              f"N = {args.nproc} -> {args.nproc - 1}, "
               f"a random rank killed as step {KILL_STEP + 1} begins, {args.trials} trials")
         print(f"  kill -> the step after the redone one begins: median {statistics.median(times):.3f} s, "
               f"worst {max(times):.3f} s")

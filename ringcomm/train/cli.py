@@ -21,7 +21,8 @@ a job whose worker dies restarts from its last checkpoint.
 ``--elastic`` (under ``python -m ringcomm.launch --on-failure continue``): a lost rank does not
 end the job; the survivors agree whether the step in progress was taken, shrink the world,
 rebuild the job over the ranks left from the model state in their memory and go on, on the
-same global batches (:mod:`.elastic`; ``ddp`` for now: other layouts say so at start and
+same global batches (:mod:`.elastic`; ``ddp`` and ZeRO, which then keeps a copy of its ring
+predecessor's shard; the parameter server and model-parallel layouts say so at start and
 fall back to the checkpoint restart).
 """
 from .config import parse_args

@@ -79,7 +79,7 @@ class TrainConfig:
                                  metavar="K")
     resume: bool = _opt(False, "continue from the newest complete checkpoint in --checkpoint-dir")
     elastic: bool = _opt(False, "go on past a lost rank (under ringcomm.launch --on-failure continue): the "
-                         "survivors shrink the world, rebuild the job and redo the step (ddp)")
+                         "survivors shrink the world, rebuild the job and redo the step (ddp, zero1-3)")
     overwrite: bool = _opt(False, "replace the checkpoints already in --checkpoint-dir (without it, or "
                            "--resume, a run refuses to start there)")
 

@@ -13,19 +13,26 @@ state from before it and the step is redone; taken with a rank lost on the way (
 after its gradients had reached everyone), every survivor holds the state after it and the
 next step is the next one.
 
-**Rebuilding.** The state every survivor needs is already in its memory: with ``ddp`` every
-rank holds the whole model state (parameters, Adam's moments, the loss scaler). It is taken
-out as a checkpoint would be (:func:`.checkpoint.state.in_memory`), the world is shrunk
-(``world.shrink()``), the job is built again over the ranks left (its data group is the new
-world, the global batch split over them: the rows of the lost rank are shared out, and a
-batch that does not divide gives the first ranks one row more), and each rank cuts its state
-out of the whole one. The global batch and the denominator of the loss stay as they were, so
-the run goes on as the uninterrupted run would, up to the order of the sums.
+**Rebuilding.** The state the survivors need is in their memory: with ``ddp`` every rank
+holds the whole model state (parameters, Adam's moments, the loss scaler); with ZeRO each
+rank holds its shard and a copy of its ring predecessor's, kept equal to it step by step
+(:mod:`.parallel.zero`: 1/N more memory, and 4·Φ/N bytes of gradient more per step). The
+world is shrunk (``world.shrink()``), the whole state is put together as a checkpoint's
+would be (``ddp``: from this rank alone, :func:`.checkpoint.state.in_memory`; ZeRO: every
+survivor's shard and the lost ranks' copies, gathered over the new world,
+:func:`.checkpoint.state.gathered`), the job is built again over the ranks left (its data
+group is the new world, the global batch split over them: the rows of the lost rank are
+shared out, shares differing by one row at most), and each rank cuts its state out of the
+whole one. The global batch and the denominator of the loss stay as they were, so the run
+goes on as the uninterrupted run would, up to the order of the sums. A rank lost together
+with its successor (which held its copy) leaves its shard in no memory: every survivor then
+raises :class:`~.checkpoint.files.CheckpointError` saying so, and ``--resume`` continues the
+job from its last checkpoint.
 
 Layouts that split the model (tp, pp, cp) cannot recover in memory (a lost rank takes parts
-of the model no other rank holds), and ZeRO's shards are not yet kept twice: with those, a
-lost rank ends the job as without ``--elastic``, and ``--resume`` continues it from its last
-checkpoint (the trainer says so at start).
+of the model no other rank holds), nor can the parameter server (``dp``: its optimizer state
+lives on rank 0): with those, a lost rank ends the job as without ``--elastic``, and
+``--resume`` continues it from its last checkpoint (the trainer says so at start).
 
 >>> elastic = Elastic(world, out=print)
 >>> strategy.commit = elastic.commit               # the strategy's commit point
@@ -36,7 +43,7 @@ import time
 from ..errors import CommError
 from .checkpoint import state as checkpoint_state
 
-IN_MEMORY = ("ddp",)  # strategies whose every rank holds the whole model state
+IN_MEMORY = ("ddp", "zero1", "zero2", "zero3")  # strategies whose state survives a lost rank
 
 
 class StepNotTaken(CommError):
@@ -49,8 +56,8 @@ def unsupported(cfg):
         return ("tp, pp and cp layouts cannot recover a lost rank in memory (it takes parts of the "
                 "model no other rank holds)")
     if cfg.strategy not in IN_MEMORY:
-        return (f"--strategy {cfg.strategy} keeps each shard of the model state on one rank only, so "
-                f"it cannot recover a lost rank in memory; use --strategy ddp")
+        return (f"--strategy {cfg.strategy} keeps the optimizer state on rank 0 alone, so it cannot "
+                f"recover a lost rank in memory; use --strategy ddp or zero1, zero2, zero3")
     return None
 
 
@@ -84,9 +91,12 @@ class Elastic:
         """The job over the survivors, with ``job``'s model state (``taken``: whether step
         ``step``, counted from 0, was taken); ``rebuild(world)`` makes a job over a world."""
         start, old = time.monotonic(), self.world.ranks
-        full = checkpoint_state.in_memory(job.strategy)
         self.world = self.world.shrink()
         lost = [r for r in old if r not in self.world.ranks]
+        if job.strategy.checkpoint_kind == "full":  # every rank holds the whole state
+            full = checkpoint_state.in_memory(job.strategy)
+        else:  # the shards of the survivors, and the lost ranks' from their successors' copies
+            full = checkpoint_state.gathered(self.world, job.strategy)
         new = rebuild(self.world)
         checkpoint_state.load_full(full, new.strategy)
         new.strategy.commit = self.commit

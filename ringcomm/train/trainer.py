@@ -259,28 +259,23 @@ def _run_steps(job, first, losses, out, elastic=None):
         t0 = time.perf_counter()
         if watched:
             watch.begin()
-        if elastic is not None:
-            elastic.outcome = None
         try:
-            loss, _ = job.runner.step(x, y, job.denominator)
-        except (PeerLost, elastic_training.StepNotTaken):
-            # the step is redone unless the survivors took it (a step does not communicate
-            # after its commit point, so a loss raised here came before it)
-            if elastic is None or (elastic.outcome is not None and elastic.outcome[0]):
-                raise
-            if elastic.outcome is None:
-                elastic.failed()  # failed before its commit point: it votes against the step
-            job, counted = elastic.recover(job, lambda world: _rebuilt(world, cfg), step, taken=False), 0
-            continue
+            if elastic is None:
+                (loss, _), after, waited = job.runner.step(x, y, job.denominator), job, job.runner.idle
+            else:
+                after, loss, waited = _elastic_step(job, elastic, step, x, y)
         finally:
             if watched:
                 watch.end()
+        if loss is None:  # taken nowhere: again, over the survivors
+            job, counted = after, 0
+            continue
         times.append(time.perf_counter() - t0)
-        idle.append(job.runner.idle)
+        idle.append(waited)
         losses.append(loss)
         counted += 1
-        if elastic is not None and elastic.lost:  # taken, a rank lost on the way: rebuild, go on
-            job, counted = elastic.recover(job, lambda world: _rebuilt(world, cfg), step, taken=True), 0
+        if after is not job:  # taken, and a rank lost on the way: go on over the survivors
+            job, counted = after, 0
         if job.rank == 0 and ((step + 1) % every == 0 or step + 1 == cfg.steps):
             out(report.progress(job, step, losses[-1], (step + 1 - first) / (time.perf_counter() - start)))
         if cfg.checkpoint_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == cfg.steps):
@@ -289,6 +284,27 @@ def _run_steps(job, first, losses, out, elastic=None):
                 out(f"checkpoint {path}")
         step += 1
     return job, times, idle, counted
+
+
+def _elastic_step(job, elastic, step, x, y):
+    """Step ``step`` with ``--elastic``: ``(job, loss, idle)``, the job rebuilt over the
+    survivors when a rank was lost, and the loss None when the step was taken nowhere (it
+    is to be run again over them)."""
+    elastic.outcome = None
+    rebuild = lambda world: _rebuilt(world, job.cfg)  # noqa: E731 - the one place it is made
+    try:
+        (loss, _), lost_after_commit = job.runner.step(x, y, job.denominator), False
+    except (PeerLost, elastic_training.StepNotTaken):
+        if elastic.outcome is None:
+            elastic.failed()  # failed before its commit point: it votes against the step
+        if not elastic.outcome[0]:
+            return elastic.recover(job, rebuild, step, taken=False), None, 0.0
+        # taken everywhere, then a loss (ZeRO's gather of the updated shards): it stands
+        loss, lost_after_commit = job.strategy.agreed_loss, True
+    waited = job.runner.idle
+    if elastic.lost or lost_after_commit:
+        return elastic.recover(job, rebuild, step, taken=True), loss, waited
+    return job, loss, waited
 
 
 def _rebuilt(world, cfg):

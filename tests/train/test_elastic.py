@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(240)
 WRAPPER = """
 import os, signal, sys
 from ringcomm.train import cli, elastic, trainer
-from ringcomm.train.parallel import strategy
+from ringcomm.train.parallel import strategy, zero
 
 deaths = dict(tuple(map(int, d.split("@"))) for d in filter(None, os.environ["TEST_DEATHS"].split(",")))
 where, me, now = os.environ["TEST_WHERE"], int(os.environ["RANK"]), [None]
@@ -44,6 +44,8 @@ def wrap(cls, name, place, after=False):
 batch = trainer.Job.batch
 trainer.Job.batch = lambda self, step: (now.__setitem__(0, step), die_at("start"), batch(self, step))[2]
 wrap(strategy.Replicated, "finish_backward", "backward")
+wrap(zero.Zero, "finish_backward", "backward")
+wrap(zero.Zero, "publish", "publish")  # after the commit point and this rank's own update
 wrap(elastic.Elastic, "commit", "commit", after=True)
 if where == "state":  # the victim dies right after its vote reached the coordinator, who
     # hears a slow rank's vote only later: the step is taken with the victim lost
@@ -66,11 +68,11 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 # a global batch of 50: shares of 12 and 13 rows on 4 ranks, 16 and 17 on 3, 25 on 2
-TRAIN = ["--elastic", "--strategy", "ddp", "--layers", "12,24,4", "--samples", "400", "--batch-size", "50",
-         "--steps", "14", "--lr", "0.01"]
+TRAIN = ["--elastic", "--layers", "12,24,4", "--samples", "400", "--batch-size", "50", "--steps", "14",
+         "--lr", "0.01"]
 
 
-def launch(tmp_path, name, deaths="", where="start", extra=(), slow=-1):
+def launch(tmp_path, name, deaths="", where="start", extra=(), slow=-1, strategy="ddp", ok=True):
     """Run the job; (the launcher's completed process, the saved parameters, the metrics)."""
     script = tmp_path / "wrapper.py"
     script.write_text(WRAPPER)
@@ -80,8 +82,11 @@ def launch(tmp_path, name, deaths="", where="start", extra=(), slow=-1):
     env = {k: v for k, v in os.environ.items() if k not in scrubbed}
     env.update(TEST_DEATHS=deaths, TEST_WHERE=where, TEST_SLOW=str(slow))
     done = subprocess.run([sys.executable, "-m", "ringcomm.launch", "--nproc", "4", "--on-failure", "continue",
-                           "--timeout", "30", str(script), *TRAIN, *extra, "--save", str(out),
-                           "--metrics-json", str(metrics)], env=env, capture_output=True, text=True, timeout=200)
+                           "--timeout", "30", str(script), *TRAIN, "--strategy", strategy, *extra, "--save",
+                           str(out), "--metrics-json", str(metrics)], env=env, capture_output=True, text=True,
+                          timeout=200)
+    if not ok:
+        return done, None, None
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with np.load(out) as saved:
         params = dict(saved)
@@ -96,14 +101,18 @@ def reference(tmp_path_factory):
     return params, metrics
 
 
-@pytest.mark.parametrize("deaths, where, lost, taken", [
-    ("2@5", "start", [[2]], [(6, False)]),                    # 4 -> 3 between steps
-    ("1@3,3@9", "backward", [[1], [3]], [(4, False), (10, False)]),  # in backward, twice: 4 -> 2
-    ("3@6", "commit", [[3]], [(8, False)]),  # just after step 7 was agreed on: it stands, 8 is redone
+@pytest.mark.parametrize("strategy, deaths, where, lost, taken", [
+    ("ddp", "2@5", "start", [[2]], [(6, False)]),                    # 4 -> 3 between steps
+    ("ddp", "1@3,3@9", "backward", [[1], [3]], [(4, False), (10, False)]),  # in backward, twice: 4 -> 2
+    ("ddp", "3@6", "commit", [[3]], [(8, False)]),  # just after step 7 was agreed on: it stands, 8 is redone
+    ("zero1", "2@5", "start", [[2]], [(6, False)]),  # ZeRO: the lost shard from its successor's copy
+    ("zero2", "1@3,3@9", "backward", [[1], [3]], [(4, False), (10, False)]),
+    ("zero3", "0@6", "commit", [[0]], [(8, False)]),  # rank 0's shard lives on in rank 1's copy
+    ("zero2", "2@6", "publish", [[2]], [(7, True)]),  # lost after its update: the step stands
 ])
-def test_survivors_rebuild_and_end_where_the_uninterrupted_run_ends(tmp_path, reference, deaths, where, lost,
-                                                                     taken):
-    done, params, metrics = launch(tmp_path, "elastic", deaths, where)
+def test_survivors_rebuild_and_end_where_the_uninterrupted_run_ends(tmp_path, reference, strategy, deaths, where,
+                                                                     lost, taken):
+    done, params, metrics = launch(tmp_path, "elastic", deaths, where, strategy=strategy)
     ref_params, ref_metrics = reference
     recoveries = metrics["recoveries"]
     assert [r["lost"] for r in recoveries] == lost, recoveries
@@ -128,8 +137,26 @@ def test_a_step_taken_while_a_rank_was_lost_is_not_redone(tmp_path, reference):
     assert len(metrics["losses"]) == 14
 
 
-def test_model_parallel_and_zero_say_they_fall_back_to_checkpoints(tmp_path):
-    for extra, words in ((["--strategy", "zero2"], "keeps each shard of the model state on one rank only"),
+def test_a_rank_lost_with_the_one_keeping_its_copy_ends_the_job_saying_so(tmp_path):
+    done, _, _ = launch(tmp_path, "both", "1@5,2@5", "backward", strategy="zero2", ok=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert re.search(r"the model state of rank\(s\) \[1\] is in no survivor's memory: each was lost together "
+                     r"with the rank after it, which kept its copy; continue from the last checkpoint", done.stderr), \
+        done.stderr[-3000:]
+
+
+def test_the_copy_costs_one_shard_of_optimizer_state_and_its_gradient(tmp_path):
+    _, _, metrics = launch(tmp_path, "copied", strategy="zero2")
+    rank = metrics["per_rank"][0]
+    measured, formula = rank["model_state_bytes"], rank["predicted_model_state_bytes"]
+    phi, n = rank["num_params"], 4
+    assert measured["optimizer"] == formula["optimizer"] == (8 + 12) * phi / n  # own m, v; the copy's master, m, v
+    # the all-reduce's 2(n-1)/n of the fp32 gradient, and the gradient shard to the successor
+    assert rank["dp_bytes_sent_per_step"] == rank["dp_bytes_predicted_per_step"] == (2 * 3 / 4 + 1 / 4) * 4 * phi
+
+
+def test_model_parallel_and_the_parameter_server_say_they_fall_back_to_checkpoints(tmp_path):
+    for extra, words in ((["--strategy", "dp"], "keeps the optimizer state on rank 0 alone"),
                          (["--tp", "2"], "tp, pp and cp layouts cannot recover a lost rank in memory")):
         done, _, metrics = launch(tmp_path, "fallback", extra=extra)
         assert words in done.stdout and "--resume continues it from its last checkpoint" in done.stdout, done.stdout

@@ -143,7 +143,9 @@ def table(job, per_rank):
     phis = sorted({row["num_params"] for row in per_rank})
     lines = [f"model state per rank (MiB; measured / formula; traced: what the strategy allocated, as "
              f"tracemalloc saw it), Φ = {'/'.join(map(str, phis))} parameters "
-             f"on a rank, N = {strategy.n} (data group), {e}-byte params and grads, K = {strategy.k_bytes()}",
+             f"on a rank, N = {strategy.n} (data group), {e}-byte params and grads, K = {strategy.k_bytes()}"
+             + (f"; optimizer includes the copy of the ring predecessor's shard (--elastic): "
+                f"{4 + strategy.optimizer.state_bytes}·Φ/N" if getattr(strategy, "mirrored", False) else ""),
              f"{'rank':>4} {'params':>19} {'grads':>19} {'optimizer':>19} {'total':>19} {'peak':>9}"
              f" {'sent/step KiB':>22} {'traced':>9}"]
     for row in per_rank:

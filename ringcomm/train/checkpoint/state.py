@@ -4,6 +4,7 @@
 >>> resumed = restore(meta, strategy, cfg, "D")              # the newest intact checkpoint
 """
 import hashlib
+import io
 import json
 import os
 import sys
@@ -182,6 +183,54 @@ def in_memory(strategy):
     scaler = {k: arrays[name] for k, name in _SCALER_KEYS.items()}
     model = decode(arrays["placement"])["model"]
     return FullState({"model_specs": model}, params, m, v, int(arrays["t"]), scaler, np.zeros(0))
+
+
+def gathered(world, strategy):
+    """The whole model state as a :class:`FullState`, put together from the survivors'
+    memory after a loss (ZeRO with ``--elastic``, see :mod:`ringcomm.train.elastic`): every
+    survivor's own shard, and each lost rank's from the copy its ring successor keeps; called
+    on every rank of ``world``, the world shrunk by the loss. Raises :class:`CheckpointError`
+    on every rank alike when a lost rank's copy was lost with it."""
+    old, alive = strategy.comm.ranks, set(world.ranks)  # the old data group, by data rank
+    mine = _prefixed(strategy, strategy.rank, strategy.state())
+    if getattr(strategy, "mirrored", False) and old[strategy.pred] not in alive:
+        mine.update(_prefixed(strategy, strategy.pred, strategy.copy_state()))
+    blob = np.frombuffer(npz_bytes(mine), np.uint8)
+    sizes = np.empty(world.world_size, np.int64)
+    world.all_gather(sizes, np.array([blob.size], np.int64))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:blob.size] = blob
+    everyone = np.empty(world.world_size * padded.size, np.uint8)
+    world.all_gather(everyone, padded)
+    files = {}
+    for r, size in enumerate(sizes):
+        start = r * padded.size
+        with np.load(io.BytesIO(everyone[start:start + int(size)].tobytes()), allow_pickle=False) as z:
+            for name in z.files:
+                data_rank, key = name.split(".", 1)
+                files.setdefault(int(data_rank[1:]), {})[key] = z[name]
+    missing = [d for d in range(strategy.n) if d not in files]
+    if missing:
+        raise CheckpointError(
+            f"the model state of rank(s) {[old[d] for d in missing]} is in no survivor's memory: each was "
+            f"lost together with the rank after it, which kept its copy; continue from the last checkpoint "
+            f"(--resume --checkpoint-dir)")
+    ordered = [files[d] for d in range(strategy.n)]
+    params, m, v = (assemble("shard", ordered, key) for key in ("master", "m", "v"))
+    scaler = {k: ordered[0][name] for k, name in _SCALER_KEYS.items()}
+    model = decode(ordered[0]["placement"])["model"]
+    return FullState({"model_specs": model}, params, m, v, int(ordered[0]["t"]), scaler, np.zeros(0))
+
+
+def _prefixed(strategy, data_rank, state):
+    """A rank file's arrays for data rank ``data_rank`` holding ``state``, keys prefixed
+    ``d<rank>.`` (one blob may carry two ranks' files)."""
+    record = Placement.of(strategy).record(strategy.layout)
+    record["data_rank"], record["coords"][0] = data_rank, data_rank
+    arrays = {k: to_host(v) for k, v in state.items()}
+    arrays.update({_SCALER_KEYS[k]: value for k, value in strategy.scaler.state().items()})
+    arrays["placement"] = encode(record)
+    return {f"d{data_rank}.{k}": v for k, v in arrays.items()}
 
 
 def load_full(full, strategy):

@@ -88,24 +88,38 @@ class Strategy:
         anywhere in the job)."""
         pieces = self.step_grad()
         flags = np.zeros(3)
-        grad = None
+        grad = copied = None
         if pieces is not None:
             grad = self._checked_fp32(pieces, flags, loss_share)
+            copied = self.exchange_grad(grad)
         else:  # nothing on the device to decide: the share alone comes over
             flags[2] = float(loss_share)
         self.meta.all_reduce(flags)  # overflow anywhere, squared norm of every piece once, loss
+        self.agreed_loss = float(flags[2])  # (a loss raised after the commit point still knows it)
         if self.commit is not None:  # --elastic: nothing changes unless every survivor agrees
             self.commit()
         skipped = self.scaler.update(flags[0] > 0)
         if not skipped and grad is not None:
-            if self.cfg.clip_grad_norm:
-                kernels.scale(grad, clip_coefficient(flags[1], self.cfg.clip_grad_norm))
+            coefficient = clip_coefficient(flags[1], self.cfg.clip_grad_norm) if self.cfg.clip_grad_norm else None
+            if coefficient is not None:
+                kernels.scale(grad, coefficient)
             self.optimizer.begin_step()
             for master, lo, hi in self.master_pieces():
                 self.optimizer.update(master, grad[lo:hi], lo)
             self.write_back()
+            if copied is not None:
+                self.update_copy(copied, coefficient)
         self.publish(skipped)
         return float(flags[2]), skipped
+
+    def exchange_grad(self, grad):
+        """ZeRO with ``--elastic``: send this rank's fp32 gradient to the rank that keeps a
+        copy of its state, and return the one of the rank whose copy this one keeps (see
+        :mod:`.zero`); None elsewhere."""
+        return None
+
+    def update_copy(self, grad, coefficient):
+        """Step the copy :meth:`exchange_grad` serves with its ``grad``, clipped alike."""
 
     def step_grad(self):
         """The gradient the optimizer step takes, as :meth:`owned_grad` gives it (ZeRO's

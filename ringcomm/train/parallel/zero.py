@@ -25,12 +25,14 @@ gradients at 2, parameters at 3.
   gradient slice starts down as soon as its reduce-scatter finishes, while backward goes
   on; after the host's Adam step on one unit's slice, that slice (cast to the parameter
   dtype) starts up while the host updates the next unit.
+- **A copy of the ring predecessor's shard** (``--elastic``): :mod:`.shard_copy`.
 """
 import numpy as np
 
 from ...arrays import cast_into, copy_into, to_host
 from ..accounting import traffic
 from .flat import Countdown
+from .shard_copy import ShardCopy
 from .strategy import Strategy
 
 SHARD_AT_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
@@ -80,6 +82,10 @@ class Zero(Strategy):
         self.make_optimizer(lay.shard_total)
         self._countdown = Countdown(lay)
         self._pending = []  # (unit, work) reduce-scatters in flight
+        self.mirrored = self.cfg.elastic and not self.cfg.model_parallel and self.n > 1
+        # --elastic: the ring predecessor's shard of optimizer state, kept equal to its own
+        self.copy = ShardCopy(self, params) if self.mirrored else None
+        self.pred = None if self.copy is None else self.copy.pred
 
     # -- parameters -----------------------------------------------------------------------
     def layer_params(self, i, phase):
@@ -287,6 +293,17 @@ class Zero(Strategy):
             work.wait()
             self.trace.comm(f"all_gather params unit {unit.index}", work)
 
+    # -- the copy of the predecessor's shard (--elastic; see .shard_copy) --------------------
+    def exchange_grad(self, grad):
+        return None if self.copy is None else self.copy.exchange(grad)
+
+    def update_copy(self, grad, coefficient):
+        self.copy.step(grad, coefficient)
+
+    def copy_state(self):
+        """The predecessor's state as its own :meth:`state` gives it (from the copy)."""
+        return self.copy.state()
+
     # -- reporting --------------------------------------------------------------------------
     def full_params(self):
         lay = self.layout
@@ -306,12 +323,21 @@ class Zero(Strategy):
         return self._offloaded_from_device()
 
     def predicted_sent_per_step(self, rank):
-        """By the formulas; ZeRO-3's counts what every layer gathers (its units, once each)."""
+        """By the formulas; ZeRO-3's counts what every layer gathers (its units, once each);
+        with the copy, 4·Φ/N bytes of fp32 gradient more."""
         phi, n, e = self.layout.num_params, self.n, self.dtype.itemsize
+        copy = 4 * phi / n if self.mirrored else 0
         if not self.sharded("params"):
-            return traffic.all_reduce_sent(phi, n, e)
+            return traffic.all_reduce_sent(phi, n, e) + copy
         gathered = [sum(u.length for u in self._layer_units(i)) for i in range(self.nlayers)]
-        return traffic.zero3_sent(phi, n, e, self.cfg.micro_batches, gathered)
+        return traffic.zero3_sent(phi, n, e, self.cfg.micro_batches, gathered) + copy
+
+    def predicted_bytes(self, rank):
+        """By the formulas; with the copy, its fp32 master and optimizer state per Φ/N more."""
+        out = super().predicted_bytes(rank)
+        if self.mirrored:
+            out[self.optimizer_category] += (4 + self.optimizer.state_bytes) * self.layout.num_params / self.n
+        return out
 
     checkpoint_kind = "shard"
 
@@ -333,3 +359,5 @@ class Zero(Strategy):
                 full = self.flat_params[unit.start:unit.stop]
                 self.comm.all_gather(full, self._own_params(unit), algorithm=self.algorithm)
         self.optimizer.load_state(state)
+        if self.copy is not None:
+            self.copy.load_from_peers(state)
