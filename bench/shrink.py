@@ -10,7 +10,7 @@ catches the :class:`~ringcomm.errors.PeerLost`, calls ``comm.shrink()`` and time
 host's monotonic clock (one clock for every process), the kill to its first all-reduce
 completed over the N−1 left, split into the wait until the loss was raised (detection: the
 process watch, then the grace a goodbye gets) and the shrink itself (revocation, agreement,
-the new communicator and its barrier). The table gives median and worst over the
+the new communicator and its confirming agreement). The table gives median and worst over the
 survivors of every trial.
 
 ``--train`` measures the elastic trainer instead (``python -m ringcomm.train --elastic``,

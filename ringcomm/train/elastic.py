@@ -10,13 +10,18 @@ before that point (a :class:`~ringcomm.errors.PeerLost` in a gradient all-reduce
 ``world.agree(False)`` instead, as the same agreement. Every surviving rank decides the same
 outcome, so a step is taken everywhere or nowhere: not taken, every survivor still holds the
 state from before it and the step is redone; taken with a rank lost on the way (it died
-after its gradients had reached everyone), every survivor holds the state after it and the
-next step is the next one.
+after its gradients had reached everyone), every survivor's own state is the one after it
+and the next step is the next one. A loss raised after the commit point (ZeRO-1/2's gather
+of the updated shards) leaves the step taken; the survivors whose gather completed fail the
+next step before its commit point, so a rank that saw the loss votes against that next step
+at once, and all rebuild and run it again. The rebuild itself ends with an agreement on
+whether every survivor got through it (another loss meanwhile: all shrink again).
 
 **Rebuilding.** The state the survivors need is in their memory: with ``ddp`` every rank
 holds the whole model state (parameters, Adam's moments, the loss scaler); with ZeRO each
 rank holds its shard and a copy of its ring predecessor's, kept equal to it step by step
-(:mod:`.parallel.zero`: 1/N more memory, and 4·Φ/N bytes of gradient more per step). The
+(:mod:`.parallel.shard_copy`: (4 + the optimizer's bytes)·Φ/N more memory, and 4·Φ/N bytes
+of gradient more per step). The
 world is shrunk (``world.shrink()``), the whole state is put together as a checkpoint's
 would be (``ddp``: from this rank alone, :func:`.checkpoint.state.in_memory`; ZeRO: every
 survivor's shard and the lost ranks' copies, gathered over the new world,
@@ -29,6 +34,12 @@ with its successor (which held its copy) leaves its shard in no memory: every su
 raises :class:`~.checkpoint.files.CheckpointError` saying so, and ``--resume`` continues the
 job from its last checkpoint.
 
+Not covered: a loss while a checkpoint is written, or during the final evaluation and
+report, ends the job as without ``--elastic``; a rank that times out in an agreement (a peer
+silent, not lost) raises :class:`~ringcomm.errors.CommTimeout` and its peers then see it
+lost. The rebuild puts the whole state together on every survivor (ZeRO: every shard and
+copy, gathered), several times the optimizer state for the moment it takes.
+
 Layouts that split the model (tp, pp, cp) cannot recover in memory (a lost rank takes parts
 of the model no other rank holds), nor can the parameter server (``dp``: its optimizer state
 lives on rank 0): with those, a lost rank ends the job as without ``--elastic``, and
@@ -40,7 +51,8 @@ lives on rank 0): with those, a lost rank ends the job as without ``--elastic``,
 """
 import time
 
-from ..errors import CommError
+from ..errors import CommError, PeerLost
+from .accounting import report
 from .checkpoint import state as checkpoint_state
 
 IN_MEMORY = ("ddp", "zero1", "zero2", "zero3")  # strategies whose state survives a lost rank
@@ -70,12 +82,13 @@ class Elastic:
         self.recoveries = []   # (step, lost global ranks, seconds, taken) per recovery
 
     def commit(self):
-        """The strategy's commit point: True if the step is taken (alike on every survivor)."""
+        """The strategy's commit point: raises :class:`StepNotTaken` unless the step is taken,
+        else returns the group ranks found lost (alike on every survivor)."""
         flag, lost = self.world.agree(True)
         self.outcome = (flag, lost)
         if not flag:
             raise StepNotTaken(f"ranks {[self.world.ranks[r] for r in lost]} lost: the step is redone")
-        return True
+        return lost
 
     def failed(self):
         """This rank's step failed before its commit point: it takes part in the same
@@ -91,15 +104,26 @@ class Elastic:
         """The job over the survivors, with ``job``'s model state (``taken``: whether step
         ``step``, counted from 0, was taken); ``rebuild(world)`` makes a job over a world."""
         start, old = time.monotonic(), self.world.ranks
-        self.world = self.world.shrink()
-        lost = [r for r in old if r not in self.world.ranks]
-        if job.strategy.checkpoint_kind == "full":  # every rank holds the whole state
-            full = checkpoint_state.in_memory(job.strategy)
-        else:  # the shards of the survivors, and the lost ranks' from their successors' copies
-            full = checkpoint_state.gathered(self.world, job.strategy)
-        new = rebuild(self.world)
-        checkpoint_state.load_full(full, new.strategy)
+        while True:
+            self.world = self.world.shrink()
+            new, ok = None, True
+            try:
+                if job.strategy.checkpoint_kind == "full":  # every rank holds the whole state
+                    full = checkpoint_state.in_memory(job.strategy)
+                else:  # the survivors' shards, and the lost ranks' from their successors' copies
+                    full = checkpoint_state.gathered(self.world, job.strategy)
+                new = rebuild(self.world)
+                checkpoint_state.load_full(full, new.strategy)
+            except PeerLost:  # another rank lost meanwhile: it may have reached some ranks only
+                ok = False
+            # every survivor learns alike whether every one of them is rebuilt: else all shrink again
+            flag, lost_since = self.world.agree(ok)
+            if flag and not lost_since:
+                break
+        for group in report.dimension_groups(new.mesh).values():
+            group.reset_stats()  # the recovery's own traffic is not a step's
         new.strategy.commit = self.commit
+        lost = [r for r in old if r not in self.world.ranks]
         seconds = time.monotonic() - start
         self.recoveries.append((step + 1, lost, seconds, taken))  # counted from 1, as progress is
         if self.world.rank == 0:

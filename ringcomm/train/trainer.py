@@ -299,10 +299,15 @@ def _elastic_step(job, elastic, step, x, y):
             elastic.failed()  # failed before its commit point: it votes against the step
         if not elastic.outcome[0]:
             return elastic.recover(job, rebuild, step, taken=False), None, 0.0
-        # taken everywhere, then a loss (ZeRO's gather of the updated shards): it stands
+        # taken everywhere, then a loss (ZeRO-1/2's gather of the updated shards): the step
+        # stands. Survivors whose gather completed go on and fail the next step before its
+        # commit point; this rank votes against that step now, as they will, and all rebuild
         loss, lost_after_commit = job.strategy.agreed_loss, True
     waited = job.runner.idle
-    if elastic.lost or lost_after_commit:
+    if lost_after_commit:
+        elastic.failed()
+        return elastic.recover(job, rebuild, step + 1, taken=False), loss, waited
+    if elastic.lost:
         return elastic.recover(job, rebuild, step, taken=True), loss, waited
     return job, loss, waited
 

@@ -105,10 +105,13 @@ def reference(tmp_path_factory):
     ("ddp", "2@5", "start", [[2]], [(6, False)]),                    # 4 -> 3 between steps
     ("ddp", "1@3,3@9", "backward", [[1], [3]], [(4, False), (10, False)]),  # in backward, twice: 4 -> 2
     ("ddp", "3@6", "commit", [[3]], [(8, False)]),  # just after step 7 was agreed on: it stands, 8 is redone
-    ("zero1", "2@5", "start", [[2]], [(6, False)]),  # ZeRO: the lost shard from its successor's copy
+    # ZeRO: a lost shard from its successor's copy, twice (4 -> 3 -> 2)
+    ("zero1", "2@5,0@9", "start", [[2], [0]], [(6, False), (10, False)]),
     ("zero2", "1@3,3@9", "backward", [[1], [3]], [(4, False), (10, False)]),
-    ("zero3", "0@6", "commit", [[0]], [(8, False)]),  # rank 0's shard lives on in rank 1's copy
-    ("zero2", "2@6", "publish", [[2]], [(7, True)]),  # lost after its update: the step stands
+    ("zero3", "0@6,2@10", "commit", [[0], [2]], [(8, False), (12, False)]),  # rank 0's shard: rank 1's copy
+    # lost after its update, in the gather of the updated shards: step 7 stands, and every
+    # survivor votes against step 8 (those whose gather completed fail it) and redoes it
+    ("zero2", "2@6", "publish", [[2]], [(8, False)]),
 ])
 def test_survivors_rebuild_and_end_where_the_uninterrupted_run_ends(tmp_path, reference, strategy, deaths, where,
                                                                      lost, taken):

@@ -10,7 +10,8 @@ its unscaled fp32 gradient shard to its successor and receives its predecessor's
 skipped steps the copy with the same optimizer, the same clipping coefficient and the same
 step count as the predecessor steps its own (:meth:`ShardCopy.step`), so the copy is
 bitwise the predecessor's state. Memory: (4 + the optimizer's bytes per parameter)·Φ/N per
-rank, 1/N of the model state more. A rank and its successor lost together take its shard
+rank (12·Φ/N with Adam: 1/N of the whole model's optimizer state and master; with fp32
+ZeRO-3, 3/4 of the rank's own model state more). A rank and its successor lost together take its shard
 with them: no memory holds it any more.
 
 >>> copy = ShardCopy(zero_strategy, params)     # rank 2 of 4 keeps rank 1's shard

@@ -56,7 +56,7 @@ class Strategy:
     name = "base"
     per_layer_units = False
     # --elastic: called before the update changes anything; raises if the step is not to be
-    # taken (see ringcomm.train.elastic)
+    # taken, else returns the ranks found lost (see ringcomm.train.elastic)
     commit = None
 
     def __init__(self, ctx):
@@ -96,8 +96,9 @@ class Strategy:
             flags[2] = float(loss_share)
         self.meta.all_reduce(flags)  # overflow anywhere, squared norm of every piece once, loss
         self.agreed_loss = float(flags[2])  # (a loss raised after the commit point still knows it)
+        lost = ()
         if self.commit is not None:  # --elastic: nothing changes unless every survivor agrees
-            self.commit()
+            lost = self.commit()
         skipped = self.scaler.update(flags[0] > 0)
         if not skipped and grad is not None:
             coefficient = clip_coefficient(flags[1], self.cfg.clip_grad_norm) if self.cfg.clip_grad_norm else None
@@ -109,7 +110,8 @@ class Strategy:
             self.write_back()
             if copied is not None:
                 self.update_copy(copied, coefficient)
-        self.publish(skipped)
+        if not lost:  # (a rank known lost would hold up the sharing: the rebuild redoes it)
+            self.publish(skipped)
         return float(flags[2]), skipped
 
     def exchange_grad(self, grad):
