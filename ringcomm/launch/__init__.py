@@ -31,7 +31,8 @@ Options (dash and underscore spellings are both accepted):
   --on-failure POLICY   stop (default): a failure stops every worker, as below;
                         continue: it is reported and the others go on (they shrink
                         their communicators: ringcomm.elastic), exported as
-                        RINGCOMM_ON_FAILURE; not with --max-restarts
+                        RINGCOMM_ON_FAILURE; with --max-restarts (one node) a job
+                        that fails as a whole is restarted
   --no-prefix           let workers write straight to the launcher's terminal
 
 Environment of each worker (on top of the launcher's own):
@@ -67,8 +68,10 @@ a failure, 130 on SIGINT and 143 on SIGTERM (forwarded to workers as SIGTERM).
 With ``--on-failure continue`` a failed worker is reported as it ends (``ringcomm.launch:
 rank 2 (local rank 2, pid 1234) was lost: killed by signal 9 (SIGKILL); 3 rank(s) here go
 on``) and nothing is stopped; the job ends when every worker has ended, with status 0 if
-some exited 0 and every other one was lost to a signal (a crash counts as one), else 1. With
-several nodes each node's launcher decides its own status from its own workers.
+some exited 0 and every other one was lost to a signal (a crash counts as one), else 1; a
+status 1 restarts every worker while ``--max-restarts`` allows (one node: the survivors'
+fallback, ``--resume`` from the last checkpoint, when memory no longer holds the state).
+With several nodes each node's launcher decides its own status from its own workers.
 
 Examples::
 

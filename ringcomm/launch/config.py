@@ -168,9 +168,9 @@ def _check_numbers(parser, ns):
         parser.error(f"--node-rank must be in [0, {ns.nnodes - 1}]")
     if ns.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
-    if ns.on_failure == "continue" and ns.max_restarts:
-        parser.error("--on-failure continue keeps the survivors running; it restarts nothing, "
-                     "so it does not go with --max-restarts")
+    if ns.on_failure == "continue" and ns.max_restarts and ns.nnodes > 1:
+        parser.error("--on-failure continue with --max-restarts restarts a job that failed as a whole on "
+                     "one node only; with several nodes use one of them")
     if ns.timeout is not None and not 0 < ns.timeout < math.inf:  # also NaN and inf
         parser.error(f"--timeout must be a finite number of seconds > 0, got {ns.timeout}")
 

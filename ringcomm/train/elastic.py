@@ -32,7 +32,8 @@ whole one. The global batch and the denominator of the loss stay as they were, s
 goes on as the uninterrupted run would, up to the order of the sums. A rank lost together
 with its successor (which held its copy) leaves its shard in no memory: every survivor then
 raises :class:`~.checkpoint.files.CheckpointError` saying so, and ``--resume`` continues the
-job from its last checkpoint.
+job from its last checkpoint (``ringcomm.launch --on-failure continue --max-restarts K`` then
+restarts it so by itself).
 
 Not covered: a loss while a checkpoint is written, or during the final evaluation and
 report, ends the job as without ``--elastic``; a rank that times out in an agreement (a peer

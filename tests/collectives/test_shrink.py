@@ -223,9 +223,13 @@ def test_a_survivor_that_fails_on_its_own_fails_the_job(tmp_path):
     assert re.search(r"rank 1 \(local rank 1, pid \d+\) was lost: exit code 3", done.stderr), done.stderr
 
 
-def test_continue_does_not_go_with_restarts(tmp_path):
-    done = _launch(tmp_path, "print('never')", "--on-failure", "continue", "--max-restarts", "1")
-    assert done.returncode == 2 and "does not go with --max-restarts" in done.stderr, done.stderr
+def test_continue_with_restarts_restarts_a_job_that_failed_as_a_whole(tmp_path):
+    script = ("import os, sys\n"
+              "sys.exit(3 if os.environ['RINGCOMM_RESTART_COUNT'] == '0' and os.environ['RANK'] == '1' else 0)\n")
+    done = _launch(tmp_path, script, "--on-failure", "continue", "--max-restarts", "1")
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 (local rank 1" in done.stderr and "restarting all workers (restart 1 of 1)" in done.stderr, \
+        done.stderr
 
 
 # agree() as a commit point: rank 3 dies at a random moment inside a stream of all-reduces;

@@ -20,6 +20,8 @@ from ringcomm.train import cli, elastic, trainer
 from ringcomm.train.parallel import strategy, zero
 
 deaths = dict(tuple(map(int, d.split("@"))) for d in filter(None, os.environ["TEST_DEATHS"].split(",")))
+if os.environ.get("RINGCOMM_RESTART_COUNT", "0") != "0":
+    deaths = {}  # a restarted job runs whole
 where, me, now = os.environ["TEST_WHERE"], int(os.environ["RANK"]), [None]
 
 
@@ -72,7 +74,7 @@ TRAIN = ["--elastic", "--layers", "12,24,4", "--samples", "400", "--batch-size",
          "--lr", "0.01"]
 
 
-def launch(tmp_path, name, deaths="", where="start", extra=(), slow=-1, strategy="ddp", ok=True):
+def launch(tmp_path, name, deaths="", where="start", extra=(), slow=-1, strategy="ddp", ok=True, launcher=()):
     """Run the job; (the launcher's completed process, the saved parameters, the metrics)."""
     script = tmp_path / "wrapper.py"
     script.write_text(WRAPPER)
@@ -82,7 +84,7 @@ def launch(tmp_path, name, deaths="", where="start", extra=(), slow=-1, strategy
     env = {k: v for k, v in os.environ.items() if k not in scrubbed}
     env.update(TEST_DEATHS=deaths, TEST_WHERE=where, TEST_SLOW=str(slow))
     done = subprocess.run([sys.executable, "-m", "ringcomm.launch", "--nproc", "4", "--on-failure", "continue",
-                           "--timeout", "30", str(script), *TRAIN, "--strategy", strategy, *extra, "--save",
+                           "--timeout", "30", *launcher, str(script), *TRAIN, "--strategy", strategy, *extra, "--save",
                            str(out), "--metrics-json", str(metrics)], env=env, capture_output=True, text=True,
                           timeout=200)
     if not ok:
@@ -146,6 +148,17 @@ def test_a_rank_lost_with_the_one_keeping_its_copy_ends_the_job_saying_so(tmp_pa
     assert re.search(r"the model state of rank\(s\) \[1\] is in no survivor's memory: each was lost together "
                      r"with the rank after it, which kept its copy; continue from the last checkpoint", done.stderr), \
         done.stderr[-3000:]
+
+
+def test_with_restarts_that_job_falls_back_to_its_last_checkpoint(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    done, params, metrics = launch(tmp_path, "fallback", "1@5,2@5", "backward", strategy="zero2",
+                                   extra=["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--resume"],
+                                   launcher=["--max-restarts", "1"])
+    assert "is in no survivor's memory" in done.stderr and "restarting all workers" in done.stderr, done.stderr
+    assert "resuming from" in done.stdout and "(step 4" in done.stdout, done.stdout
+    for name, value in reference[0].items():
+        np.testing.assert_allclose(params[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
 
 
 def test_the_copy_costs_one_shard_of_optimizer_state_and_its_gradient(tmp_path):
