@@ -236,6 +236,9 @@ class Engine:
         ready._run(None)
         if ready.exception() is not None:
             return
+        # set here, not only by the constructor's thread: on a loaded machine that thread may
+        # not run again before this one's first idle pump
+        self.transport = ready._result
         deferred = []
         closing = False  # close(grace=...) came while deferred work was in progress
         try:

@@ -24,6 +24,26 @@ def submit(engine, fn):
         return engine.submit(fn, fn.__name__)
 
 
+def test_a_constructor_descheduled_after_start_up_leaves_the_engine_working(monkeypatch):
+    """On a loaded machine the thread that builds the engine may not run for longer than the
+    communication thread's idle pump waits: that pump must find the transport already, or
+    the engine dies at start-up (an honest job failed so beside two busy loops)."""
+    from ringcomm import engine as engine_module
+    wait = engine_module.Work.wait
+
+    def late_wait(self, *args, **kwargs):
+        if self.what == "start-up":
+            time.sleep(3 * engine_module.IDLE_PUMP_S)  # the idle pump runs meanwhile
+        return wait(self, *args, **kwargs)
+    monkeypatch.setattr(engine_module.Work, "wait", late_wait)
+    e = Engine(lambda: Session(LocalHub(1).transport(0)), name="test-late-engine")
+    try:
+        assert not e.closed
+        assert submit(e, lambda transport: transport is e.transport).wait() is True
+    finally:
+        e.close()
+
+
 def test_only_a_waited_for_thread_spins(engine):
     """The caller's thread spins (it runs synchronous calls inline); the communication thread
     spins only while some thread is blocked in Work.wait, else it leaves the core to compute."""
