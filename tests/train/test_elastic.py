@@ -4,6 +4,7 @@ after its commit point); the survivors rebuild the job and the final parameters 
 an uninterrupted run over the same global batches, up to the order of the sums."""
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -130,6 +131,34 @@ def test_survivors_rebuild_and_end_where_the_uninterrupted_run_ends(tmp_path, re
         assert re.search(rf"lost rank\(s\) \[{r['lost'][0]}\] in step {r['step']}; going on with \d ranks",
                          done.stdout), done.stdout
     assert re.search(r"rank \d \(local rank \d, pid \d+\) was lost: killed by signal 9", done.stderr), done.stderr
+
+
+@pytest.mark.parametrize("strategy, seed", [("ddp", 1), ("zero1", 2), ("zero2", 3), ("zero3", 4)])
+def test_two_ranks_killed_at_random_steps(tmp_path, reference, strategy, seed):
+    """Two ranks (never both of a rank and the one after it, whose copy it needs), at
+    random steps and places in the step: 4 -> 3 -> 2, ending where the uninterrupted run ends."""
+    rng = random.Random(seed)
+    first = rng.randrange(4)
+    second = rng.choice([r for r in range(4) if r != first and r not in ((first + 1) % 4, (first - 1) % 4)])
+    steps = sorted(rng.sample(range(1, 13), 2))
+    where = rng.choice(["start", "backward"])
+    done, params, metrics = launch(tmp_path, "random", f"{first}@{steps[0]},{second}@{steps[1]}", where,
+                                   strategy=strategy)
+    assert [r["lost"] for r in metrics["recoveries"]] == [[first], [second]], (metrics["recoveries"], done.stdout)
+    for name, value in reference[0].items():
+        np.testing.assert_allclose(params[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
+    assert len(metrics["losses"]) == 14
+
+
+def test_a_model_parallel_job_falls_back_to_its_checkpoint_by_itself(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    done, params, metrics = launch(tmp_path, "tp", "3@5", "start", extra=[
+        "--tp", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--resume"],
+        launcher=["--max-restarts", "1"])
+    assert "tp, pp and cp layouts cannot recover a lost rank in memory" in done.stdout, done.stdout
+    assert "restarting all workers" in done.stderr and "(step 4" in done.stdout, done.stderr[-2000:]
+    for name, value in reference[0].items():
+        np.testing.assert_allclose(params[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
 
 
 def test_a_step_taken_while_a_rank_was_lost_is_not_redone(tmp_path, reference):
