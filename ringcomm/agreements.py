@@ -6,13 +6,15 @@ communicator ran before; its members run them in the same order). Its messages t
 AGREE frames (key: the communicator, the epoch as ``seq``, the message's kind as ``step``
 and its round as ``segment``), whichever thread moves messages hands them in here, and what
 an agreement answers goes out at once. Messages for an agreement this rank has not entered
-yet are kept (a bounded number, the oldest dropped first) until it does. The evidence an agreement goes on is the
-wire's :meth:`~ringcomm.transport.base.Transport.lost`.
+yet are kept (a bounded number, the oldest dropped first) until it does. The evidence an
+agreement goes on is the wire's :meth:`~ringcomm.transport.base.Transport.lost`.
 
 A member that decided may still be needed: if every lower member is lost before all the
 others heard the decision, it must lead the next round. So a decided agreement is on *duty*
-until the caller releases it (once a collective over the new membership has completed on
-every member, every member has decided); meanwhile every wait of the session tends it.
+until it is released: by the caller (a shrink, once the new communicator's first agreement
+is decided), or when a later agreement of the same communicator is decided here (every
+member that took part in that one had decided this one); meanwhile every wait of the
+session, and every agreement running, tends it.
 
 >>> agreements = Agreements(session)
 >>> agreements.run(comm_id, 0, members=(0, 1, 2, 3), flag=True, deadline=..., what="shrink")

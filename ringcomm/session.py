@@ -166,12 +166,14 @@ class Session:
             raise CommError(f"{what}: {self.stopping}")
         if self.agreements.duties:  # before a loss raises below: it may be what they need
             self.agreements.tend()
+        # a revocation first: the rank that revoked may have closed since, and its goodbye
+        # must not hide why the call fails
+        if self.revoked and comm_id is not None:
+            self.check_revoked(comm_id, space == POINT_TO_POINT)
         # a loss fails the waits of the communicators it belongs to, not the others'
         self.wire.check_peers(what, peer, None if comm_id is None else self.members.get(comm_id))
         if self.mailbox.quiet:
             self._check_quiet(peer, what)
-        if self.revoked and comm_id is not None:
-            self.check_revoked(comm_id, space == POINT_TO_POINT)
 
     # -- sending -----------------------------------------------------------------------------
     def send(self, dst, key, sig, payload, copy=False):
