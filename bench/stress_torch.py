@@ -139,7 +139,7 @@ class TorchSlice:
     def credit_stalls(self):
         from ringcomm.torch import backend
         world = backend._world
-        credit = getattr(world._engine.transport, "credit", None) if world is not None else None
+        credit = getattr(world._engine.session, "credit", None) if world is not None else None
         return getattr(credit, "stalls", None)
 
     def close(self):

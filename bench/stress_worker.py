@@ -376,7 +376,7 @@ def main(argv=None):
         print(f"stress rank {me}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     wall = time.monotonic() - start
     after = rss_kib()
-    credit = getattr(comm._engine.transport, "credit", None)  # how often backpressure held a send
+    credit = getattr(comm._engine.session, "credit", None)  # how often backpressure held a send
     report.update(
         ops_planned=rank.planned, ops_done=sum(rank.done.values()), wrong=rank.n_wrong, wrong_first=rank.wrong,
         steps=index, wall_s=round(wall, 3), by_verb={f"{v}/{a}": k for (v, a), k in sorted(rank.done.items())},

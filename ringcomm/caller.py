@@ -48,7 +48,7 @@ class Caller:
     def local(self):
         """True when every other rank of the group shares this host's shared-memory lanes."""
         if self._local is None:
-            comm, lanes = self.comm, self.engine.transport.wire.lane_peers
+            comm, lanes = self.comm, self.engine.session.wire.lane_peers
             me = comm.ranks[comm.rank]
             self._local = all(r == me or r in lanes for r in comm.ranks)
         return self._local
@@ -57,7 +57,7 @@ class Caller:
     def topology(self):
         """Which ranks of the group share a host (the same on every rank)."""
         if self._topology is None:
-            ids, comm = self.engine.transport.wire.host_ids, self.comm
+            ids, comm = self.engine.session.wire.host_ids, self.comm
             self._topology = Topology.of([ids[g] for g in comm.ranks], comm.rank)
         return self._topology
 
@@ -74,7 +74,7 @@ class Caller:
         ringcomm.threads), and with ``code`` EVERY_CALL or LOST every point-to-point call too
         (see ringcomm.elastic); safe from any thread: the running call sees it as it waits."""
         engine, comm = self.engine, self.comm
-        if not engine.transport.revoke(comm.comm_id, comm.ranks, why, code, rank):
+        if not engine.session.revoke(comm.comm_id, comm.ranks, why, code, rank):
             return
         # every member is told once, by whichever comes first: the call in progress as it
         # fails, or the communication thread (work queued before it may block for long)
@@ -158,9 +158,9 @@ class Caller:
         work = None
         try:
             call, work = self._queue(body, sig, x, result, async_op, verb, route)
-            if work is None:  # this thread holds the transport: the call runs here and now
+            if work is None:  # this thread holds the session: the call runs here and now
                 try:
-                    result = call.run(self.engine.transport)
+                    result = call.run(self.engine.session)
                 finally:
                     self.engine.release()
                 call.join()
@@ -172,9 +172,9 @@ class Caller:
 
     def _queue(self, body, sig, x, result, async_op, verb, route):
         """The call, and its queued :class:`~ringcomm.engine.Work` (None: a synchronous
-        collective this thread runs itself, holding the transport)."""
+        collective this thread runs itself, holding the session)."""
         # an empty device array is still a device array: its (empty) segments must not reach
-        # the transport unstaged, which takes host memory only
+        # the wire unstaged, which takes host memory only
         staged = self.device.staged and self.device.is_array(x)
         device = self.device if staged else HOST
         ready = device.ready()  # on this thread, outside the lock the communication thread takes

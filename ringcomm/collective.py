@@ -75,22 +75,22 @@ class Call:
     ready: object = None       # device.ready() on the submitting thread
     completion: object = None  # device.done() once the device work is all queued
 
-    def run(self, transport):  # noqa: C901 - a hot path (every call runs it once): one body, no helper calls
+    def run(self, session):  # noqa: C901 - a hot path (every call runs it once): one body, no helper calls
         comm, space, seq = self.comm, self.space, self.seq
-        link = Link(transport, ranks=comm.ranks, rank=comm.rank, comm_id=comm.comm_id, space=space,
+        link = Link(session, ranks=comm.ranks, rank=comm.rank, comm_id=comm.comm_id, space=space,
                     seq=seq, sig=self.sig, dtype=self.dtype, segment_bytes=comm.segment_bytes,
                     deadline=time.monotonic() + comm.timeout, what=self.what, stats=comm._stats,
                     device=self.device, topology=comm.topology)
         failed = True
         try:
             if space == COLLECTIVE:
-                transport.raise_news(comm.comm_id)
-                if transport.revoked:
-                    transport.check_revoked(comm.comm_id)
+                session.raise_news(comm.comm_id)
+                if session.revoked:
+                    session.check_revoked(comm.comm_id)
             else:
-                transport.pump(0)
-                if transport.revoked:  # every call fails after comm.revoke() or a loss
-                    transport.check_revoked(comm.comm_id, point_to_point=True)
+                session.pump(0)
+                if session.revoked:  # every call fails after comm.revoke() or a loss
+                    session.check_revoked(comm.comm_id, point_to_point=True)
             if self.device.staged:  # the host device has nothing to order or stage
                 deferred = self._on_device(self.ready, lambda: _drained(link, lambda: self.body(link)),
                                            lambda d: d is None)
@@ -98,39 +98,39 @@ class Call:
                 deferred = self.body(link)
             if deferred is not None:  # a deferred send copies what it sends: nothing to flush
                 return self._finishing(link, deferred)
-            transport.flush(link.deadline, self.what)
+            session.flush(link.deadline, self.what)
             if space == COLLECTIVE:  # another rank may have aborted a collective this one only sent in
-                transport.raise_news(comm.comm_id, seq)
-                if transport.revoked:  # revoked while it ran: its data may be another thread's
-                    transport.check_revoked(comm.comm_id)
+                session.raise_news(comm.comm_id, seq)
+                if session.revoked:  # revoked while it ran: its data may be another thread's
+                    session.check_revoked(comm.comm_id)
             failed = False
         except SignatureMismatch as exc:
             error = describe_mismatch(self.what, comm.ranks[comm.rank], exc)
-            self._abort(transport, error)
+            self._abort(session, error)
             raise error from None
         except AbortNotice as notice:
-            raise self._told(transport, notice) from None
+            raise self._told(session, notice) from None
         except PeerLost as exc:
             # a peer that aborted this collective and closed: its ABORT may travel another
             # path than its goodbye and be read after it; it, not the goodbye, says why
-            notice = self._notice(transport) if space == COLLECTIVE else None
+            notice = self._notice(session) if space == COLLECTIVE else None
             if notice is None:
-                self._abort(transport, exc)
+                self._abort(session, exc)
                 raise
-            raise self._told(transport, notice) from None
+            raise self._told(session, notice) from None
         except CommTimeout as exc:
             error = exc.after(comm.timeout)
-            self._abort(transport, error)
+            self._abort(session, error)
             raise error from None
         except Exception as exc:
-            self._abort(transport, exc)
+            self._abort(session, exc)
             raise
         finally:
             if space == COLLECTIVE:
-                transport.retire(comm.comm_id, seq, failed)
+                session.retire(comm.comm_id, seq, failed)
         comm._stats.collectives += 1
-        if transport.first_failure is not None:  # recovered: a goodbye now blames nobody
-            transport.first_failure = None
+        if session.first_failure is not None:  # recovered: a goodbye now blames nobody
+            session.first_failure = None
         return self.result
 
     def _on_device(self, ready, step, finished):
@@ -163,10 +163,10 @@ class Call:
                     if staged else progress()
             except SignatureMismatch as exc:
                 error = describe_mismatch(self.what, link.ranks[link.rank], exc)
-                _noted(link.transport, error)
+                _noted(link.session, error)
                 raise error from None
             except Exception as exc:
-                _noted(link.transport, exc)
+                _noted(link.session, exc)
                 raise
             if done:
                 self.comm._stats.collectives += 1
@@ -176,46 +176,46 @@ class Call:
         outer.progress = finishing
         return outer
 
-    def _told(self, transport, notice):
+    def _told(self, session, notice):
         """The error this call raises for another rank's abort ``notice``; an abort of an
         earlier collective is passed on, since the others may wait in this one."""
         error = error_for(notice, self.seq)
         if not error.remote:
-            self._abort(transport, error)
-        _noted(transport, error)
+            self._abort(session, error)
+        _noted(session, error)
         return error
 
-    def _notice(self, transport):
+    def _notice(self, session):
         """Another rank's ABORT of this collective, if one is here by now (else None)."""
         try:
-            transport.raise_news(self.comm.comm_id, self.seq)
+            session.raise_news(self.comm.comm_id, self.seq)
         except AbortNotice as notice:
             return notice
-        except CommError:  # the transport itself failed: the original error stands
+        except CommError:  # the wire itself failed: the original error stands
             pass
         return None
 
-    def _abort(self, transport, exc):
-        _noted(transport, exc)
+    def _abort(self, session, exc):
+        _noted(session, exc)
         if isinstance(exc, Revoked):  # told once, by the revoking rank alone
-            transport.announce_revoked(self.comm.comm_id)
+            session.announce_revoked(self.comm.comm_id)
             return
         if self.space != COLLECTIVE:
             return
         with contextlib.suppress(Exception):  # the original error is what matters
-            transport.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)
+            session.abort(self.comm.ranks, self.comm.comm_id, self.seq, exc)
 
 
-def _noted(transport, exc):
+def _noted(session, exc):
     """Keep the first error a call failed with on this rank (its goodbye names whom it
     blamed, so that peers still waiting blame the rank that failed first)."""
-    if transport.first_failure is None:
-        transport.first_failure = exc
+    if session.first_failure is None:
+        session.first_failure = exc
 
 
 def _drained(link, step):
     """What ``step()`` (a body or a progress step) returns, once the segments it staged are
-    all handed to the transport: none may wait across another call's work. If it fails,
+    all handed to the session: none may wait across another call's work. If it fails,
     they are dropped and their lane slots given back."""
     try:
         outcome = step()

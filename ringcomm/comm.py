@@ -68,7 +68,7 @@ class Communicator:
         self._groups = groups.Counters()
         self._stats = Stats()
         self._caller = Caller(self, engine, self._device)
-        engine.transport.members[comm_id] = frozenset(self.ranks)  # (see Session._check_waiting)
+        engine.session.members[comm_id] = frozenset(self.ranks)  # (see Session._check_waiting)
         self._collective = self._caller.collective  # (collective, algorithm, nbytes, x, args, ...)
         self._point_to_point = self._caller.point_to_point  # (route, body, x, result, async_op)
 

@@ -115,7 +115,7 @@ def _made(comm, survivors, comm_id, name):
     me = comm.ranks[comm.rank]
     local_rank = local_world_size = None
     if comm.local_rank is not None:  # the world: its place among the survivors of its host
-        hosts = comm._engine.transport.wire.host_ids
+        hosts = comm._engine.session.wire.host_ids
         here = [r for r in survivors if hosts[r] == hosts[me]]
         local_rank, local_world_size = here.index(me), len(here)
     shrunk = type(comm)(comm._engine, ranks=survivors, rank=survivors.index(me), comm_id=comm_id, name=name,
@@ -130,7 +130,7 @@ def _made(comm, survivors, comm_id, name):
 
 
 def _on_engine(comm, fn, what):
-    """``fn(session)`` on the thread that holds the transport (this one when it is idle)."""
+    """``fn(session)`` on the thread that holds the session (this one when it is idle)."""
     engine = comm._engine
     with engine.lock:
         if engine.closed:

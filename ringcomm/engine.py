@@ -1,9 +1,9 @@
 """The communication thread, and the work handles that ``async_op=True`` returns.
 
-ZeroMQ sockets are not thread-safe, so one thread per process owns the transport and runs
-every collective, in submission order, from a queue; a synchronous collective submitted
-while the thread is idle runs in the caller's thread instead, holding the transport
-(:meth:`Engine.hold`). A synchronous call otherwise submits and waits; an asynchronous call
+ZeroMQ sockets are not thread-safe, so one thread per process owns the session (and its
+wire) and runs every collective, in submission order, from a queue; a synchronous
+collective submitted while the thread is idle runs in the caller's thread instead, holding
+the session (:meth:`Engine.hold`). A synchronous call otherwise submits and waits; an asynchronous call
 returns the :class:`Work` at once. numpy and pyzmq release the GIL in
 their heavy loops, so the caller's compute overlaps the communication.
 
@@ -74,14 +74,14 @@ class Work:
         self._join = None  # see joins
         self._pid = os.getpid()  # a child forked after this was made has no thread to finish it
 
-    def _run(self, transport):
+    def _run(self, session):
         """Run the work function; False if it deferred its completion (also when it was
         started inline and handed to the communication thread to finish)."""
         if self._deferred is not None:
             return False
         self.started = time.perf_counter()
         try:
-            outcome = self._fn(transport)
+            outcome = self._fn(session)
             if isinstance(outcome, Deferred):
                 self._deferred = outcome
                 return False
@@ -200,32 +200,32 @@ INLINE_WAIT_S = 0.001  # how long a caller finishing its own receive sleeps betw
 
 
 class Engine:
-    """Owns the transport and the thread that runs every operation on it.
+    """Owns the session and the thread that runs every operation on it.
 
-    ``make_transport`` runs on the thread itself, so the sockets are created where they
+    ``make_session`` runs on the thread itself, so the sockets are created where they
     are used; its errors are raised by the constructor.
     """
 
-    def __init__(self, make_transport, name="ringcomm"):
+    def __init__(self, make_session, name="ringcomm"):
         self._queue = queue.SimpleQueue()
         self.lock = threading.Lock()  # orders sequence numbers with queue order
-        self._busy = threading.Lock()  # held by whichever thread is using the transport
+        self._busy = threading.Lock()  # held by whichever thread is using the session
         self._pending = 0   # queued or running on the communication thread (under lock)
         self._deferred = 0  # deferred operations in progress on the communication thread
-        self.transport = None
+        self.session = None
         self.closed = False
         self._abandoned = None  # why work still queued fails instead of running (see close)
         self._draining = False  # closing with a grace: deferred work may finish in it
         self.forked = False  # this process is a child forked from the engine's owner
         _engines.add(self)
-        ready = Work(lambda _: make_transport(), "start-up")
+        ready = Work(lambda _: make_session(), "start-up")
         self._thread = threading.Thread(target=self._loop, args=(ready,), name=name, daemon=True)
         self._thread.start()
-        self.transport = ready.wait()
-        self.transport.wire.eager = self.eager  # the wire's waits spin or yield by it
+        self.session = ready.wait()
+        self.session.wire.eager = self.eager  # the wire's waits spin or yield by it
 
     def eager(self):
-        """Whether the thread now waiting on the transport should spin before it sleeps: the
+        """Whether the thread now waiting on the session should spin before it sleeps: the
         caller's own thread (a synchronous call run inline), or the communication thread
         while some thread is blocked in :meth:`Work.wait`. The communication thread running
         asynchronous work that nobody waits for yet yields instead: its spin would take the
@@ -238,7 +238,7 @@ class Engine:
             return
         # set here, not only by the constructor's thread: on a loaded machine that thread may
         # not run again before this one's first idle pump
-        self.transport = ready._result
+        self.session = ready._result
         deferred = []
         closing = False  # close(grace=...) came while deferred work was in progress
         try:
@@ -250,7 +250,7 @@ class Engine:
                         work = self._queue.get_nowait()
                     except queue.Empty:
                         with self._busy:
-                            self.transport.pump(0.001)
+                            self.session.pump(0.001)
                         work = _IDLE
                 else:
                     try:
@@ -269,7 +269,7 @@ class Engine:
                         for w in [*deferred, *([] if work is _IDLE else [work])]:
                             w._fail(CommError(f"{w.what}: {self._abandoned}"))
                         deferred = []
-                    elif work is not _IDLE and not work._run(self.transport):
+                    elif work is not _IDLE and not work._run(self.session):
                         deferred.append(work)
                     deferred = [w for w in deferred if not w._advance()]
                     self._deferred = len(deferred)
@@ -295,25 +295,25 @@ class Engine:
             work._fail(CommError(f"{work.what}: communicator closed before it completed"))
         try:
             with self._busy:  # a caller thread may still run a collective inline
-                self.transport.close()
+                self.session.close()
         except Exception:  # noqa: BLE001 - nothing left to report to
-            log.exception("error while closing the transport")
+            log.exception("error while closing the session")
 
     def _idle_pump(self):
         """Move messages while no work runs, so that liveness checks get their answer; skipped
-        when a caller thread holds the transport (it moves messages itself)."""
+        when a caller thread holds the session (it moves messages itself)."""
         if self._busy.acquire(blocking=False):
             try:
-                self.transport.pump(0)
+                self.session.pump(0)
             finally:
                 self._busy.release()
 
     def submit(self, fn, what, inline=False):
-        """Queue ``fn(transport)``; returns its :class:`Work`. Call with ``self.lock`` held.
+        """Queue ``fn(session)``; returns its :class:`Work`. Call with ``self.lock`` held.
 
         ``inline=True`` (a synchronous call): if the communication thread has nothing queued,
         running or deferred, the work is *not* queued; ``work.inline`` is set, this thread
-        now holds the transport (``_busy``), and the caller must call :meth:`run_inline`
+        now holds the session (``_busy``), and the caller must call :meth:`run_inline`
         after releasing ``self.lock``. That saves the two thread hand-offs that dominate
         small collectives, keeps submission order (anything submitted meanwhile queues
         behind ``_busy``), and uses the sockets from one thread at a time under a lock (a
@@ -329,7 +329,7 @@ class Engine:
 
     def hold(self):
         """Call with ``self.lock`` held: True if the communication thread has nothing queued,
-        running or deferred and this thread now holds the transport, to run one call that
+        running or deferred and this thread now holds the session, to run one call that
         never defers (a collective) itself, then :meth:`release` it. No :class:`Work`, no
         hand-off (see :meth:`submit` for why this is safe)."""
         return self._pending == 0 and not self._deferred and self._busy.acquire(blocking=False)
@@ -345,7 +345,7 @@ class Engine:
         takes the receive over, so that the queued work (perhaps the send the peer needs
         before it answers) is not stuck behind it."""
         try:
-            if work._run(self.transport):
+            if work._run(self.session):
                 return work
             # a receive (or a send short of credit) still waiting: this thread keeps moving
             # messages itself, saving two thread hand-offs, until another thread queues work,
@@ -354,7 +354,7 @@ class Engine:
                 while not self._pending and not self.closed:
                     if work._advance():
                         return work
-                    self.transport.pump(INLINE_WAIT_S)
+                    self.session.pump(INLINE_WAIT_S)
             except BaseException:  # interrupted (KeyboardInterrupt): the thread finishes it
                 self._hand_over(work)
                 raise
@@ -375,7 +375,7 @@ class Engine:
                 self._queue.put(work)  # _run sees it began: only _advance remains
 
     def close(self, timeout=60.0, grace=None):
-        """Finish queued work, close the transport (BYE to peers) and stop the thread.
+        """Finish queued work, close the session (BYE to peers) and stop the thread.
 
         ``grace`` (seconds): queued and running work may take this long to finish; then
         whatever is left fails with :class:`CommError` (a wait in progress at once) and the
@@ -392,6 +392,6 @@ class Engine:
             finally:  # interrupted too: what is left must not wait for its own deadline
                 if self._thread.is_alive():
                     self._abandoned = "the communicator was closed while this call was in flight"
-                    self.transport.stop(self._abandoned)
+                    self.session.stop(self._abandoned)
             timeout = max(0.0, timeout - grace)
         self._thread.join(timeout)

@@ -67,6 +67,7 @@ class JobInfo:
     shared_memory: bool = True  # same-host segments through /dev/shm lanes
     shm_slots: int = 4          # slots per lane (each one segment)
     channel_max_bytes: int = DEFAULT_CHANNEL_MAX_BYTES  # smaller messages: channel, not lane
+    collective_window: int = 16  # collectives a rank may run ahead of a peer (ringcomm.transport.credit)
 
 
 def _int(environ, name, default=None):
@@ -153,6 +154,7 @@ def from_environ(environ=None):
     info.shm_slots = _int(environ, "RINGCOMM_SHM_SLOTS", 4)
     info.channel_max_bytes = _int(environ, "RINGCOMM_CHANNEL_MAX_BYTES", DEFAULT_CHANNEL_MAX_BYTES)
     info.segment_bytes = _int(environ, "RINGCOMM_SEGMENT_BYTES", default_segment_bytes(info))
+    info.collective_window = _int(environ, "RINGCOMM_COLLECTIVE_WINDOW", 16)
     info.secret = environ.get("RINGCOMM_SECRET", "")  # else ringcomm.secret.resolve at init
     info.job = job_id(environ)
     info.encrypt = _switch(environ, "RINGCOMM_ENCRYPT")
@@ -208,6 +210,8 @@ def validate(info):
         raise ValueError(f"RINGCOMM_SHM_SLOTS must be at least 1, got {info.shm_slots}")
     if info.segment_bytes < 1024:
         raise ValueError(f"segment size must be at least 1024 bytes, got {info.segment_bytes}")
+    if info.collective_window < 2:
+        raise ValueError(f"RINGCOMM_COLLECTIVE_WINDOW must be at least 2, got {info.collective_window}")
 
 
 def free_port(addr: str) -> int:

@@ -46,13 +46,13 @@ AGREE_STEP = 0xFFFFFFFF  # the step of agree()'s messages: no algorithm reaches 
 
 
 class Link:
-    __slots__ = ("transport", "ranks", "rank", "size", "comm_id", "space", "seq", "sig", "dtype",
+    __slots__ = ("session", "ranks", "rank", "size", "comm_id", "space", "seq", "sig", "dtype",
                  "segment_bytes", "deadline", "what", "stats", "device", "topology", "_remote",
                  "_staged", "_room")
 
-    def __init__(self, transport, *, ranks, rank, comm_id, space, seq, sig, dtype,
+    def __init__(self, session, *, ranks, rank, comm_id, space, seq, sig, dtype,
                  segment_bytes, deadline, what, stats, device=HOST, topology=None):
-        self.transport = transport
+        self.session = session
         self.ranks = ranks          # group rank -> global rank
         self.rank = rank            # this process's group rank
         self.size = len(ranks)
@@ -61,7 +61,7 @@ class Link:
         self.segment_bytes = segment_bytes
         self.deadline, self.what, self.stats = deadline, what, stats
         self.device = device  # stages device segments through pinned host buffers
-        self._staged = StagingQueue(transport, device, sig) if device.staged else None
+        self._staged = StagingQueue(session, device, sig) if device.staged else None
         # which group ranks share which host (None: all of them share this one)
         self.topology = topology
         self._remote = None if topology is None else topology.remote
@@ -69,13 +69,13 @@ class Link:
         # ringcomm.transport.credit); point-to-point data has a window of its own
         self._room = set() if space == COLLECTIVE else None
         if space == COLLECTIVE:
-            transport.started(comm_id, seq)
+            session.started(comm_id, seq)
 
     def send(self, peer, step, segment, array, copy=False):
         """Queue ``array`` (flat, contiguous) for group rank ``peer``. Large arrays are sent
         zero-copy unless ``copy``: do not modify them before the collective ends. A device
         segment is staged (see :mod:`ringcomm.staging`): its copy to the host starts here
-        and it is handed to the transport once that copy is done, at the latest before this
+        and it is handed to the session once that copy is done, at the latest before this
         rank next waits for a message or the call's body ends."""
         key = new_key((self.comm_id, self.space, self.seq, step, segment))
         dst = self.ranks[peer]
@@ -84,7 +84,7 @@ class Link:
         if self._staged is not None:
             self._staged.put(dst, key, array)
         else:
-            self.transport.send(dst, key, self.sig, array.view(np.uint8), copy=copy)
+            self.session.send(dst, key, self.sig, array.view(np.uint8), copy=copy)
         stats = self.stats
         stats.bytes_sent += array.nbytes
         stats.messages_sent += 1
@@ -93,11 +93,11 @@ class Link:
 
     @property
     def staged_bytes(self):
-        """Bytes staged here but not yet handed to the transport (flow control counts them)."""
+        """Bytes staged here but not yet handed to the session (flow control counts them)."""
         return self._staged.nbytes if self._staged else 0
 
     def drain(self):
-        """Hand every staged segment to the transport, waiting for its copy."""
+        """Hand every staged segment to the session, waiting for its copy."""
         if self._staged:
             self._staged.drain()
 
@@ -138,41 +138,41 @@ class Link:
             stats.bytes_received_inter_host += nbytes
         received = np.frombuffer(payload, self.dtype, count)
         if self.device.staged:
-            return self.device.stage_in(received, into, self.transport.slot_of(payload))
+            return self.device.stage_in(received, into, self.session.slot_of(payload))
         if into is None:
             return received
         into[...] = received
         return into
 
-    # -- what a point-to-point transfer asks of the transport (see ringcomm.p2p) ----------
+    # -- what a point-to-point transfer asks of the session (see ringcomm.p2p) ----------
     def window_left(self, peer, tag):
         """Bytes this rank may still send to group rank ``peer`` on ``tag`` now."""
-        return self.transport.window_left((self.ranks[peer], self.comm_id, tag))
+        return self.session.window_left((self.ranks[peer], self.comm_id, tag))
 
     def window_open(self, peer, tag, nbytes):
         """Whether ``nbytes`` more fit the window to group rank ``peer`` on ``tag``, the
         bytes staged here but not yet handed over counted."""
-        return self.transport.window_open((self.ranks[peer], self.comm_id, tag), nbytes, self.staged_bytes)
+        return self.session.window_open((self.ranks[peer], self.comm_id, tag), nbytes, self.staged_bytes)
 
     @property
     def window(self):
-        return self.transport.window
+        return self.session.window
 
     def check(self, peer, why):
         """Between waits: raise if the deadline passed (``why`` says what was waited for),
         this rank is stopping, group rank ``peer`` (None: any) was lost, or the call was
         revoked."""
-        self.transport.check(None if peer is None else self.ranks[peer], self.deadline, why, self.comm_id,
+        self.session.check(None if peer is None else self.ranks[peer], self.deadline, why, self.comm_id,
                              self.space)
 
     def has_left(self, peer):
         """Whether group rank ``peer`` closed its communicator."""
-        return self.transport.has_left(self.ranks[peer])
+        return self.session.has_left(self.ranks[peer])
 
     def first_arrived(self, keys):
         """Of ``keys`` (group rank, Key), the index of the one whose message began to arrive
         first, or None if none has."""
-        return self.transport.mailbox.first_arrived([(self.ranks[p], key) for p, key in keys])
+        return self.session.mailbox.first_arrived([(self.ranks[p], key) for p, key in keys])
 
     def sub(self, members, phase):
         """A :class:`SubLink` over the group ranks ``members`` (this rank among them)."""
@@ -188,7 +188,7 @@ class Link:
         for peer in others:
             if peer not in self._room:
                 self._await_room(peer)
-            self.transport.send(peer, key, self.sig, b"")
+            self.session.send(peer, key, self.sig, b"")
         for peer in others:
             self._take(peer, key)
 
@@ -196,11 +196,11 @@ class Link:
         """Wait until global rank ``dst`` has room for this collective's data: a rank far
         ahead of it is held back (see ringcomm.transport.credit); a timeout names whoever a
         liveness check finds to blame."""
-        transport = self.transport
-        if self._staged and not transport.room(dst, self.comm_id, self.seq):
+        session = self.session
+        if self._staged and not session.room(dst, self.comm_id, self.seq):
             self.drain()  # no staged segment waits behind the wait
         try:
-            transport.await_room(dst, self.comm_id, self.seq, self.deadline, self.what)
+            session.await_room(dst, self.comm_id, self.seq, self.deadline, self.what)
         except CommTimeout as exc:
             blamed = self._blame(exc, dst)
             if blamed.rank == dst and blamed.cause == "not started":  # alive, but far behind
@@ -212,7 +212,7 @@ class Link:
     def _take(self, src, key, wait=True):
         """The payload of ``key`` from global rank ``src`` (``None``: not here, ``wait=False``);
         a timeout names whoever a liveness check finds to blame."""
-        get = self.transport.recv if wait else self.transport.poll
+        get = self.session.recv if wait else self.session.poll
         try:
             return get(src, key, self.sig, self.deadline, self.what)
         except CommTimeout as exc:
@@ -224,7 +224,7 @@ class Link:
             return timeout
         me = self.ranks[self.rank]
         peers = self.ranks if self.space == COLLECTIVE else [src]
-        silent, behind = self.transport.probe(peers, self.comm_id, self.seq)
+        silent, behind = self.session.probe(peers, self.comm_id, self.seq)
         silent = sorted(silent, key=lambda p: p != src)  # the rank waited on first, if it is one
         behind = sorted(behind, key=lambda p: p != src)
         if silent:

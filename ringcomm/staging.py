@@ -1,15 +1,15 @@
-"""The segments a collective call has staged but not yet handed to the transport: a
+"""The segments a collective call has staged but not yet handed to the session: a
 :class:`StagingQueue`, one per call on a staged device (see :mod:`ringcomm.device`).
 
 A device segment's copy to the host starts when it is put in the queue; it is handed to the
-transport once that copy is done — polled as the next segment is staged, so the copy of
+session once that copy is done — polled as the next segment is staged, so the copy of
 segment k+1 runs while segment k goes out — and at the latest before the rank waits for a
 message (:meth:`StagingQueue.take`) or the call's body ends (:meth:`StagingQueue.drain`).
 No staged segment waits on a receive, so staging cannot deadlock a schedule. The queue
 holds at most :attr:`StagedDevice.BUFFERS` segments: their staging buffers are taken in
 turn.
 
->>> queue = StagingQueue(transport, device, sig)   # on a rank whose device is staged
+>>> queue = StagingQueue(session, device, sig)   # on a rank whose device is staged
 >>> queue.put(1, key, segment)      # copy to the host started; handed to rank 1 once done
 >>> queue.take(take, 1, other_key, wait=True)      # hands over what is staged, then waits
 >>> queue.drain()                   # the call's body ends: every segment handed over
@@ -20,12 +20,12 @@ import numpy as np
 
 
 class StagingQueue:
-    __slots__ = ("transport", "device", "sig", "_queue")
+    __slots__ = ("session", "device", "sig", "_queue")
 
-    def __init__(self, transport, device, sig):
-        self.transport, self.device, self.sig = transport, device, sig
-        self._queue = deque()  # (global rank, key, Staged) not yet handed to the transport
-        device.attach(transport)
+    def __init__(self, session, device, sig):
+        self.session, self.device, self.sig = session, device, sig
+        self._queue = deque()  # (global rank, key, Staged) not yet handed to the session
+        device.attach(session)
 
     def __len__(self):
         return len(self._queue)
@@ -37,29 +37,29 @@ class StagingQueue:
         if len(queue) == self.device.BUFFERS:  # its staging buffer is the one taken next
             self.hand_over_first()
         # a segment bound for a lane is copied straight into a slot of it, when one is free
-        slot = self.transport.take_slot(dst, key, array.nbytes)
+        slot = self.session.take_slot(dst, key, array.nbytes)
         try:
             queue.append((dst, key, self.device.stage_out(array, slot)))
         except BaseException:
             if slot is not None:
                 self.device.settle()  # a copy queued before the failure lands first
-                self.transport.give_back_slot(dst, slot[0])
+                self.session.give_back_slot(dst, slot[0])
             raise
         while queue and queue[0][2].done():  # poll: the copies that have finished go out
             self.hand_over_first()
 
     def hand_over_first(self):
-        """Hand the oldest staged segment to the transport once its copy is done (it leaves
+        """Hand the oldest staged segment to the session once its copy is done (it leaves
         the queue only then: a failed wait leaves its slot to :meth:`discard`)."""
         dst, key, staged = self._queue[0]
         staged.wait()
         self._queue.popleft()
         self.device.finished(staged)
         host, staged.host = staged.host, None  # no array over a slot outlives its hand-over
-        if staged.slot is None:  # the transport copies before send returns: the buffer is free
-            self.transport.send(dst, key, self.sig, host.view(np.uint8), copy=True)
+        if staged.slot is None:  # the wire copies before send returns: the buffer is free
+            self.session.send(dst, key, self.sig, host.view(np.uint8), copy=True)
         else:
-            self.transport.send_slot(dst, key, self.sig, staged.slot, host.nbytes)
+            self.session.send_slot(dst, key, self.sig, staged.slot, host.nbytes)
 
     def take(self, take, src, key, wait):
         """``take(src, key, wait)`` (a receive) while segments are staged: hand over those
@@ -70,7 +70,7 @@ class StagingQueue:
         while queue:
             while queue and queue[0][2].done():
                 self.hand_over_first()
-            self.transport.pump(0)
+            self.session.pump(0)
             payload = take(src, key, wait=False)
             if payload is not None or not wait:
                 return payload
@@ -84,7 +84,7 @@ class StagingQueue:
         return sum(staged.host.nbytes for _, _, staged in self._queue)
 
     def drain(self):
-        """Hand every staged segment to the transport, waiting for its copy."""
+        """Hand every staged segment to the session, waiting for its copy."""
         while self._queue:
             self.hand_over_first()
 
@@ -101,4 +101,4 @@ class StagingQueue:
                     self.device.finished(segment)
                 except BaseException:  # noqa: BLE001 - the device failed: its copy lands nowhere now
                     pass
-                self.transport.give_back_slot(dst, segment.slot)
+                self.session.give_back_slot(dst, segment.slot)

@@ -14,7 +14,6 @@ from .device import select as select_device
 from .engine import Engine
 from .errors import CommError
 from .session import Session
-from .transport.credit import window_from_env
 from .transport.local import LocalHub
 
 
@@ -60,7 +59,7 @@ def init(timeout: float | None = None, *, rank: int | None = None, world_size: i
         engine = Engine(lambda: Session(LocalHub(1).transport(0)), name="ringcomm-comm")
     else:
         from .transport import connect
-        engine = Engine(lambda: Session(connect(info), window_from_env()), name=f"ringcomm-comm-{info.rank}")
+        engine = Engine(lambda: Session(connect(info), info.collective_window), name=f"ringcomm-comm-{info.rank}")
     dev = select_device(device, info.local_rank, slot_bytes=info.segment_bytes)
     comm = Communicator(engine, ranks=range(info.world_size), rank=info.rank, comm_id=0, name="world",
                         timeout=info.timeout, segment_bytes=info.segment_bytes, is_world=True, device=dev,

@@ -3,11 +3,11 @@
 Staging is double-buffered: :meth:`StagedDevice.stage_out` queues a segment's copy to the
 host (on a GPU on a copy stream of its own, ordered after the communication stream's work:
 see :mod:`ringcomm.device.cuda`) and returns at once with an event; the link hands a
-staged segment to the transport once its event has passed, polling it as it stages the next
+staged segment to the session once its event has passed, polling it as it stages the next
 one, so the copy of segment k+1 runs while segment k is handed over. Before the rank waits
 for a message, and when a call's body ends, every staged segment is handed over (waiting
 for its copy): a segment never waits on a receive, so staging cannot deadlock a schedule.
-The transport copies a segment (into ZeroMQ's buffer, a channel or a lane slot) before
+The wire copies a segment (into ZeroMQ's buffer, a channel or a lane slot) before
 ``send`` returns, so a staging buffer is free again as soon as its segment is handed over. A
 received segment is copied in (on a GPU on the other copy stream) before the kernel that
 reduces it runs, and a copy into a landing buffer follows the kernel that read the buffer's
@@ -15,18 +15,18 @@ previous segment, while the other buffer's segment may still be being reduced.
 
 **Lane slots** (between ranks of one host, segments large enough for the shared-memory
 lanes of :mod:`ringcomm.transport.shm`): the device copies straight into a free slot of
-the lane to the peer and the transport announces the slot once the copy is done, and a
+the lane to the peer and the wire announces the slot once the copy is done, and a
 received segment is copied to the device straight out of its slot: one copy each way
 instead of two. On a GPU each slot is registered with CUDA (``cudaHostRegister``) the
 first time it is used, so those copies are asynchronous; a received segment's host array
 is then kept until its copy's event has passed, and only then can the slot be
 acknowledged and refilled by the sender. A slot taken for a segment that is never sent (the
-call failed) is given back. Registrations are undone before the transport unmaps the lanes.
+call failed) is given back. Registrations are undone before the wire unmaps the lanes.
 
 >>> from ringcomm.device import EmulatedDevice
 >>> dev = EmulatedDevice(); dev.activate()
 >>> staged = dev.stage_out(np.arange(4.0))  # a copy into a pinned buffer, started
->>> staged.wait(); wire = staged.host        # ... finished: the bytes for the transport
+>>> staged.wait(); wire = staged.host        # ... finished: the bytes for the wire
 """
 
 from .host import HostDevice
@@ -55,7 +55,7 @@ class StagedDevice(HostDevice):
     in their destination or one of two reused device buffers; subclasses move the bytes."""
 
     staged = True
-    BUFFERS = 2  # copy k+1 to the host while segment k is handed to the transport
+    BUFFERS = 2  # copy k+1 to the host while segment k is handed to the session
     LANDINGS = 2  # copy segment k+1 in while segment k is reduced
 
     def __init__(self, slot_bytes=1 << 20):
@@ -66,23 +66,23 @@ class StagedDevice(HostDevice):
         # copy into one may run while the kernel that reads the other's segment does)
         self._landings = [None] * self.LANDINGS
         self._landed = 0  # how many segments have landed in them
-        self._transport = None  # whose lane slots this device copies through (see attach)
+        self._session = None  # whose lane slots this device copies through (see attach)
         self.copies_out = self.copies_in = 0
         self.slot_copies = 0  # copies straight between the device and a lane slot
 
-    def attach(self, transport):
+    def attach(self, session):
         """Copy through ``transport``'s lane slots from now on; what the device did to their
-        memory (registering it) is undone before the transport unmaps it."""
-        if self._transport is not transport:
-            self._transport = transport
-            transport.before_unmap.append(self._forget_lanes)
+        memory (registering it) is undone before the wire unmaps it."""
+        if self._session is not session:
+            self._session = session
+            session.before_unmap.append(self._forget_lanes)
 
     def stage_out(self, array, slot=None):
         """Start copying ``array`` (flat, contiguous, on the device) into the lane slot
-        ``slot`` (``(slot, uint8 array over it)``, from the transport's ``take_slot``) or
+        ``slot`` (``(slot, uint8 array over it)``, from the session's ``take_slot``) or
         else the next staging buffer; returns its :class:`Staged`. Buffers are taken in
         turn, so the caller must have handed the segment staged :attr:`BUFFERS` calls ago to
-        the transport (which copies it) before staging another."""
+        the session (which copies it) before staging another."""
         self.release()
         nbytes = array.nbytes
         number, window = slot or (None, self._buffers[self._next])
@@ -103,7 +103,7 @@ class StagedDevice(HostDevice):
         array of its shape and dtype), or else into a landing buffer, which a later
         ``stage_in`` overwrites: queue what uses what it returns before receiving again (the
         device reads it in stream order, before a copy lands there again). ``slot``: the lane slot
-        ``host`` lies in (the transport's ``slot_of``); a copy from a registered slot runs
+        ``host`` lies in (the session's ``slot_of``); a copy from a registered slot runs
         asynchronously, so ``host`` is kept (and the slot unacknowledged) until it is done."""
         self.copies_in += 1
         self.release()
@@ -157,7 +157,7 @@ class StagedDevice(HostDevice):
         cross, so a slot is held no longer than its copy and the next call."""
 
     def _forget_lanes(self):
-        """Undo :meth:`_pin` for every lane slot (before the transport unmaps them)."""
+        """Undo :meth:`_pin` for every lane slot (before the wire unmaps them)."""
 
     def _pinned(self, nbytes):
         raise NotImplementedError

@@ -9,7 +9,7 @@ import zmq
 
 from .. import env
 from . import liveness, rendezvous
-from .credit import P2P_WINDOW_BYTES, window_from_env
+from .credit import P2P_WINDOW_BYTES
 from .security import Guard
 from .tuning import raise_fd_limit, tune_malloc
 from . import shm
@@ -64,7 +64,7 @@ def connect(info):
         entry["shm"] = _shared_memory_entry(info)
         settings = {"segment_bytes": info.segment_bytes,
                     "shm_slots": info.shm_slots if info.shared_memory else 0,
-                    "p2p_window": P2P_WINDOW_BYTES, "collective_window": window_from_env()}
+                    "p2p_window": P2P_WINDOW_BYTES, "collective_window": info.collective_window}
         table = rendezvous.exchange(context, info.rank, info.world_size, info.master_addr,
                                     info.master_port, entry, settings, info.secret, info.job,
                                     info.timeout)

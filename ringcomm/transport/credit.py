@@ -43,18 +43,6 @@ from .frame import Kind
 P2P_WINDOW_BYTES = int(os.environ.get("RINGCOMM_P2P_WINDOW_BYTES", 64 << 20))
 
 
-def window_from_env():
-    """``RINGCOMM_COLLECTIVE_WINDOW``: collectives a rank may run ahead of a peer (>= 2)."""
-    raw = os.environ.get("RINGCOMM_COLLECTIVE_WINDOW", "16")
-    try:
-        window = int(raw)
-    except ValueError:
-        raise CommError(f"RINGCOMM_COLLECTIVE_WINDOW must be an integer, got {raw!r}") from None
-    if window < 2:
-        raise CommError(f"RINGCOMM_COLLECTIVE_WINDOW must be at least 2, got {window}")
-    return window
-
-
 class CollectiveCredit:
     """Both sides of the window for one rank: what it knows of its peers (as a sender) and
     the WANTs it has not answered yet (as a receiver). ``post(dst, header)`` queues a control

@@ -48,7 +48,7 @@ KILLED_WHILE_ASLEEP = SPY + textwrap.dedent("""
     comm = ringcomm.init()
     x = np.full(16, comm.rank + 1.0, np.float32)
     comm.all_reduce(x)  # every channel is open and used
-    transport = comm._engine.transport.wire
+    transport = comm._engine.session.wire
     if comm.rank == 1:  # asleep in Python, not in a collective, when it is killed
         def die():
             print(f"killed={time.monotonic():.6f}", flush=True)
@@ -187,7 +187,7 @@ def every_dtype_and_op(comm):
                 with np.errstate(all="ignore"):
                     comm.all_reduce(x, op=op, algorithm=algorithm)
                 results[(dtype, op, algorithm)] = x.tobytes()
-    channels = comm._engine.transport.wire.same_host.channels
+    channels = comm._engine.session.wire.same_host.channels
     return results, channels is not None and bool(channels._in_list)
 
 

@@ -37,7 +37,7 @@ AHEAD = textwrap.dedent("""
     comm.all_reduce(x)                      # and then the job goes on
     assert np.array_equal(x, np.full(1000, 6.0, np.float32)), x[:4]
     print("outcomes", ",".join(sorted(set(outcomes))))
-    print("stalls", comm._engine.transport.credit.stalls)
+    print("stalls", comm._engine.session.credit.stalls)
 """)
 
 
@@ -112,7 +112,7 @@ HELD_BACK = textwrap.dedent("""
             print("never held back")
         except ringcomm.CommTimeout as exc:
             print(f"held back {time.monotonic() - start:.1f} rank={exc.rank} cause={exc.cause}: {exc}")
-        print("stalls", comm._engine.transport.credit.stalls)
+        print("stalls", comm._engine.session.credit.stalls)
 """)
 
 

@@ -64,7 +64,7 @@ SEND_TO_CLOSED = textwrap.dedent("""
     import time, numpy as np, ringcomm
     comm = ringcomm.init(timeout=4)
     if comm.rank == 1:
-        comm._engine.transport.wire.close_wait = 1.0
+        comm._engine.session.wire.close_wait = 1.0
         comm.close()
     else:
         time.sleep(2.0)
@@ -73,7 +73,7 @@ SEND_TO_CLOSED = textwrap.dedent("""
             print("sent")
         except ringcomm.PeerLost as exc:
             print("PeerLost", exc.rank)
-        comm._engine.transport.wire.close_wait = 1.0
+        comm._engine.session.wire.close_wait = 1.0
         comm.close()
 """)
 

@@ -26,7 +26,7 @@ from ringcomm import rundir
 comm = ringcomm.init()
 x = np.full(4, comm.rank + 1.0)
 comm.all_reduce(x)
-ipc = comm._engine.transport.wire.bound["ipc"][len("ipc://"):]
+ipc = comm._engine.session.wire.bound["ipc"][len("ipc://"):]
 print("sum", x[0], "ipc", os.path.dirname(ipc), "run", rundir.path(), flush=True)
 comm.close()
 """

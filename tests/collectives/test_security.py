@@ -26,14 +26,14 @@ SECRET = "0" * 32  # what the harness gives its jobs
 
 
 def endpoints(comm):
-    transport = comm._engine.transport.wire
+    transport = comm._engine.session.wire
     return transport.bound, transport.rejected
 
 
 def rejected_after_sum(comm):
     x = np.full(100_000, comm.rank + 1.0)
     comm.all_reduce(x)
-    return bool(np.all(x == sum(range(1, comm.world_size + 1)))), comm._engine.transport.wire.rejected
+    return bool(np.all(x == sum(range(1, comm.world_size + 1)))), comm._engine.session.wire.rejected
 
 
 def good_header(src=1, seq=10 ** 6, nbytes=4, kind=frame.Kind.DATA):
@@ -363,7 +363,7 @@ def test_a_flood_of_connections_from_another_user_degrades_nothing(pools, low_li
 
 ONE_HOST = JOIN + textwrap.dedent("""
     from ringcomm.secret import derived
-    guard = comm._engine.transport.wire._guard
+    guard = comm._engine.session.wire._guard
     print("derived", guard.secret == derived("127.0.0.1", int(__import__("os").environ["MASTER_PORT"])))
 """)
 

@@ -34,7 +34,7 @@ def run_collectives(comm, rounds):
         gathered = np.empty(chunk.size * n, np.float32)
         comm.all_gather(gathered, chunk, algorithm="ring")
         out = {"all_reduce": x, "reduce_scatter": chunk, "all_gather": gathered}
-    lanes = comm._engine.transport.wire.same_host.out_lanes.values()
+    lanes = comm._engine.session.wire.same_host.out_lanes.values()
     out["fallbacks"] = sum(lane.fallbacks for lane in lanes)
     out["puts"] = sum(lane.puts for lane in lanes)
     out["lanes"] = len(lanes)
@@ -80,7 +80,7 @@ def test_lanes_match_numpy_and_zeromq_bit_for_bit(slots):
 
 def traffic(comm):
     comm.reset_stats()
-    lanes = comm._engine.transport.wire.same_host.out_lanes.values()
+    lanes = comm._engine.session.wire.same_host.out_lanes.values()
     before = sum(lane.puts for lane in lanes)
     comm.all_reduce(np.ones(1 << 20, np.float32), algorithm="ring")
     return comm.stats()["bytes_sent"], sum(lane.puts for lane in lanes) - before

@@ -17,7 +17,7 @@ MARKER = b"RINGCOMM-PAYLOAD-IN-CLEAR:"
 
 def main(directory):
     comm = ringcomm.init()
-    transport = comm._engine.transport.wire
+    transport = comm._engine.session.wire
     if comm.rank == 0:
         with open(os.path.join(directory, "address.tmp"), "w") as f:
             json.dump({"tcp": transport.bound["tcp"], "rejected": transport.rejected}, f)

@@ -445,7 +445,7 @@ def test_launcher_names_a_rank_that_never_started_the_collective(tmp_path):
 LEAVES_A_SOCKET = """
 import os, signal, ringcomm
 comm = ringcomm.init()
-print("socket", comm._engine.transport.wire.bound["ipc"][len("ipc://"):], flush=True)
+print("socket", comm._engine.session.wire.bound["ipc"][len("ipc://"):], flush=True)
 comm.barrier()
 if comm.rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)

@@ -577,7 +577,7 @@ def test_remote_abort_interrupts_a_running_collective():
 
     def body(r, link):
         if r == 2:
-            link.transport.abort([0, 1, 2], link.comm_id, link.seq, CommTimeout("rank 2 gave up"))
+            link.session.abort([0, 1, 2], link.comm_id, link.seq, CommTimeout("rank 2 gave up"))
             return None
         ring.all_reduce(link, np.ones(50, np.float32), op)
 

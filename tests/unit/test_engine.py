@@ -39,7 +39,7 @@ def test_a_constructor_descheduled_after_start_up_leaves_the_engine_working(monk
     e = Engine(lambda: Session(LocalHub(1).transport(0)), name="test-late-engine")
     try:
         assert not e.closed
-        assert submit(e, lambda transport: transport is e.transport).wait() is True
+        assert submit(e, lambda session: session is e.session).wait() is True
     finally:
         e.close()
 
@@ -47,7 +47,7 @@ def test_a_constructor_descheduled_after_start_up_leaves_the_engine_working(monk
 def test_only_a_waited_for_thread_spins(engine):
     """The caller's thread spins (it runs synchronous calls inline); the communication thread
     spins only while some thread is blocked in Work.wait, else it leaves the core to compute."""
-    assert engine.eager() and engine.transport.wire.eager()
+    assert engine.eager() and engine.session.wire.eager()
 
     def unwatched(transport):
         return transport.wire.eager()

@@ -46,6 +46,15 @@ def test_shared_memory_settings_are_checked():
         env.validate(env.from_environ({"RINGCOMM_SHM_SLOTS": "0"}))
 
 
+def test_collective_window_is_read_once_and_checked():
+    assert env.from_environ({}).collective_window == 16
+    assert env.from_environ({"RINGCOMM_COLLECTIVE_WINDOW": "4"}).collective_window == 4
+    with pytest.raises(ValueError, match="at least 2, got 1"):
+        env.validate(env.from_environ({"RINGCOMM_COLLECTIVE_WINDOW": "1"}))
+    with pytest.raises(ValueError, match="RINGCOMM_COLLECTIVE_WINDOW='many'"):
+        env.from_environ({"RINGCOMM_COLLECTIVE_WINDOW": "many"})
+
+
 def test_from_environ_does_not_read_os_environ_when_given_a_dict(monkeypatch):
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
