@@ -10,7 +10,10 @@ sides start from ringcomm's initial parameters and read the same batches in the 
 (ringcomm.train's data and batch order), fp32, Adam with the config's learning rate, one
 thread per process; PyTorch's data parallelism is DDP or FSDP2 on Gloo. Each round runs
 every job once, in an order rotated per round so that machine noise falls on both sides; a
-job's step time is the median of its steps after ``--warmup``, then the median over rounds.
+job's step time is the median of its steps after ``--warmup``, then the median over rounds;
+its CPU time per step (the process's, every thread) the same way. On a machine shared with
+other jobs the CPU ratio is the steadier one: it leaves out the time a process waits for a
+core, which falls on the two sides unequally however the jobs are alternated.
 Each row also checks that the two sides' losses agree over the first steps (the largest
 relative difference is reported), and gives each side's peak RSS (the largest of its ranks).
 
@@ -89,7 +92,7 @@ def ringcomm_worker(flags):
         document, _ = train(comm, cfg, out=lambda line: None)
     finally:
         comm.close()
-    return comm.rank, document["step_times_s"], document["losses"]
+    return comm.rank, document["step_times_s"], document["step_cpu_s"], document["losses"]
 
 
 def torch_worker(wrap, flags):
@@ -119,12 +122,12 @@ def torch_worker(wrap, flags):
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     dataset = load_data(cfg)
     order = datasets.BatchOrder(len(dataset.x), cfg.batch_size, n, cfg.seed)
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for step in range(cfg.steps):
         rows = order.local_rows(step, rank)
         x = dataset.x[rows].astype(np.int64 if cfg.model == "gpt" else np.float32)
         x, y = torch.from_numpy(x), torch.from_numpy(dataset.y[rows].astype(np.int64))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         loss = model(x, y)
         loss.backward()
@@ -133,22 +136,23 @@ def torch_worker(wrap, flags):
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     if n > 1:  # each rank's loss is the mean over its share of the batch: the job's is their mean
         every = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(every)
         losses = (every / n).tolist()
         dist.destroy_process_group()
-    return rank, times, losses
+    return rank, times, cpu, losses
 
 
 def worker_main(ns):
     sys.path.insert(0, HERE)
     if ns.worker == "ringcomm":
-        rank, times, losses = ringcomm_worker(ns.flags)
+        rank, times, cpu, losses = ringcomm_worker(ns.flags)
     else:
-        rank, times, losses = torch_worker(ns.wrap, ns.flags)
+        rank, times, cpu, losses = torch_worker(ns.wrap, ns.flags)
     with open(f"{ns.result}.{rank}", "w") as f:
-        json.dump({"times": times, "losses": losses, "rss_mib": peak_rss_mib()}, f)
+        json.dump({"times": times, "cpu": cpu, "losses": losses, "rss_mib": peak_rss_mib()}, f)
 
 
 def run_job(job, steps, warmup):
@@ -167,7 +171,8 @@ def run_job(job, steps, warmup):
         for r in range(job.n):
             with open(f"{result}.{r}") as f:
                 ranks.append(json.load(f))
-    return {"step_s": statistics.median(ranks[0]["times"][warmup:]), "losses": ranks[0]["losses"],
+    return {"step_s": statistics.median(ranks[0]["times"][warmup:]),
+            "cpu_s": statistics.median(ranks[0]["cpu"][warmup:]), "losses": ranks[0]["losses"],
             "rss_mib": max(r["rss_mib"] for r in ranks)}
 
 
@@ -188,23 +193,27 @@ def measure(rows, rounds, steps, warmup):
     out = {}
     for job, runs in seen.items():
         out[job] = {"step_s": statistics.median(run["step_s"] for run in runs),
+                    "cpu_s": statistics.median(run["cpu_s"] for run in runs),
                     "rounds_s": [run["step_s"] for run in runs], "losses": runs[0]["losses"],
                     "rss_mib": max(run["rss_mib"] for run in runs)}
     return out
 
 
 def table(rows, results):
-    lines = ["| row | first job | second job | first (ms) | second (ms) | ratio | loss rel. diff | RSS MiB first / second |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| row | first job | second job | first (ms) | second (ms) | ratio | CPU ms first / second | CPU ratio "
+             "| loss rel. diff | RSS MiB first / second |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     doc = []
     for name, (a, b) in rows.items():
         ra, rb = results[a], results[b]
-        ratio = ra["step_s"] / rb["step_s"]
+        ratio, cpu_ratio = ra["step_s"] / rb["step_s"], ra["cpu_s"] / rb["cpu_s"]
         diff = agreement(ra["losses"], rb["losses"])
         lines.append(f"| {name} | {a.name} | {b.name} | {1e3 * ra['step_s']:.1f} | {1e3 * rb['step_s']:.1f} | "
-                     f"**{ratio:.2f}** | {diff:.1e} | {ra['rss_mib']:.0f} / {rb['rss_mib']:.0f} |")
+                     f"**{ratio:.2f}** | {1e3 * ra['cpu_s']:.1f} / {1e3 * rb['cpu_s']:.1f} | {cpu_ratio:.2f} | "
+                     f"{diff:.1e} | {ra['rss_mib']:.0f} / {rb['rss_mib']:.0f} |")
         doc.append({"row": name, "first": a.name, "second": b.name, "first_s": ra["step_s"], "second_s": rb["step_s"],
                     "first_rounds_s": ra["rounds_s"], "second_rounds_s": rb["rounds_s"], "ratio": ratio,
+                    "first_cpu_s": ra["cpu_s"], "second_cpu_s": rb["cpu_s"], "cpu_ratio": cpu_ratio,
                     "loss_rel_diff": diff, "first_rss_mib": ra["rss_mib"], "second_rss_mib": rb["rss_mib"]})
     return "\n".join(lines), doc
 

@@ -186,7 +186,8 @@ def train(comm, cfg, out=print):
     """Run ``cfg`` on this rank; returns ``(metrics document, strategy)``.
 
     The document is the same on every rank (``per_rank`` gathered everywhere) but for
-    ``step_times_s``, this rank's own step times; the strategy
+    ``step_times_s`` and ``step_cpu_s``, this rank's own step times (wall clock, and the CPU
+    time of its process: every thread's, the communication thread's included); the strategy
     holds this rank's final model state. With ``cfg.resume`` the run continues from the
     newest complete checkpoint, and the document's losses include those before it."""
     job = Job(comm, cfg)
@@ -201,7 +202,7 @@ def train(comm, cfg, out=print):
     for group in groups.values():
         group.reset_stats()
     elastic = _elastic(comm, job, out)
-    job, times, idle, counted = _run_steps(job, first, losses, out, elastic)
+    job, times, idle, counted, cpu = _run_steps(job, first, losses, out, elastic)
     if job.mesh is not mesh:  # rebuilt after a loss: the byte counts are the new groups'
         groups = report.dimension_groups(job.mesh)
     cfg, runner = job.cfg, job.runner
@@ -216,6 +217,7 @@ def train(comm, cfg, out=print):
         {"step": step, "lost": lost, "seconds": seconds, "step_taken": taken}
         for step, lost, seconds, taken in elastic.recoveries]
     document["step_times_s"] = times  # this rank's, in order: how steady the steps are
+    document["step_cpu_s"] = cpu  # beside other jobs, a steadier measure of the work
     if job.rank == 0:
         out(report.summary(job, document, step_time))
         out(report.table(job, per_rank))
@@ -245,10 +247,10 @@ def _elastic(comm, job, out):
 def _run_steps(job, first, losses, out, elastic=None):
     """Steps ``first`` to ``cfg.steps``, each loss appended to ``losses``, with progress
     lines and checkpoints; with ``elastic``, past lost ranks. Returns the job (rebuilt after
-    a loss), this rank's step times and idle times (s), and the steps its groups' byte
-    counts cover."""
+    a loss), this rank's step times and idle times (s), the steps its groups' byte counts
+    cover, and the process's CPU time per step (s)."""
     cfg = job.cfg
-    times, idle = [], []
+    times, idle, cpu = [], [], []
     every = cfg.log_every or max(1, cfg.steps // 10)
     save_every = cfg.checkpoint_every if cfg.checkpoint_dir else 0
     start, step, counted = time.perf_counter(), first, 0
@@ -256,7 +258,7 @@ def _run_steps(job, first, losses, out, elastic=None):
         x, y = job.batch(step)
         watch = job.watch
         watched = watch.watches(step - first)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if watched:
             watch.begin()
         try:
@@ -271,6 +273,7 @@ def _run_steps(job, first, losses, out, elastic=None):
             job, counted = after, 0
             continue
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         idle.append(waited)
         losses.append(loss)
         counted += 1
@@ -283,7 +286,7 @@ def _run_steps(job, first, losses, out, elastic=None):
             if job.rank == 0 and step + 1 == cfg.steps:
                 out(f"checkpoint {path}")
         step += 1
-    return job, times, idle, counted
+    return job, times, idle, counted, cpu
 
 
 def _elastic_step(job, elastic, step, x, y):

@@ -100,6 +100,8 @@ def test_metrics_json_contract_and_save(tmp_path, single_run, nproc, strategy, e
     precision = "fp16" if "fp16" in extra else "fp32"
     assert doc["strategy"] == strategy and doc["world_size"] == nproc and doc["precision"] == precision
     assert doc["steps"] == steps and len(doc["losses"]) == steps
+    assert len(doc["step_times_s"]) == len(doc["step_cpu_s"]) == steps
+    assert all(c > 0.0 for c in doc["step_cpu_s"]), doc["step_cpu_s"]  # every step computes
     assert all(isinstance(x, float) and np.isfinite(x) for x in doc["losses"])
     assert doc["final_loss"] == doc["losses"][-1]
     assert 0.0 <= doc["accuracy"] <= 1.0
