@@ -15,6 +15,7 @@ from .engine import Engine
 from .errors import CommError
 from .session import Session
 from .transport.local import LocalHub
+from .transport.tuning import tune_malloc
 
 
 def init(timeout: float | None = None, *, rank: int | None = None, world_size: int | None = None,
@@ -47,6 +48,7 @@ def init(timeout: float | None = None, *, rank: int | None = None, world_size: i
     if segment_bytes is None and not os.environ.get("RINGCOMM_SEGMENT_BYTES"):
         info.segment_bytes = env.default_segment_bytes(info)  # for the overridden layout
     env.validate(info)
+    tune_malloc()  # every job, one process too: its arrays are as large as its messages
     info.encrypt = env.encrypts(info)
     if os.environ.get("RINGCOMM_ERROR_FILE"):
         _report_to_launcher(os.environ["RINGCOMM_ERROR_FILE"])

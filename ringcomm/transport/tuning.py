@@ -1,12 +1,16 @@
-"""Process-level tuning that keeps large ZeroMQ messages off the slow path.
+"""Process-level tuning that keeps large buffers off the slow path.
 
-libzmq allocates a fresh buffer for every large incoming message. With glibc's defaults a
-buffer above the mmap threshold is a new memory mapping, and every message then faults in
-its pages afresh (freed memory is handed back to the system at once); that alone capped
-ZeroMQ at ≈0.8 GB/s on 64 MiB messages on this machine kind (see shared/ANCHORS.md), against
-2.3–3 GB/s once glibc reuses memory. :func:`tune_malloc` raises the mmap and trim
-thresholds so freed message buffers are reused. It trades returning memory to the system
-promptly for speed; ``RINGCOMM_MALLOC_TUNING=0`` turns it off.
+libzmq allocates a fresh buffer for every large incoming message, and numpy a fresh array
+for every intermediate result of a training step. With glibc's defaults a buffer above the
+mmap threshold is a new memory mapping, and freed memory at the top of the heap is handed
+back to the system at once: every such buffer then faults in its pages afresh. That alone
+capped ZeroMQ at ≈0.8 GB/s on 64 MiB messages on this machine kind (see shared/ANCHORS.md),
+against 2.3–3 GB/s once glibc reuses memory, and made one GPT block's forward and backward
+(batch 16, 128 positions, width 256) take about 25 % more CPU time, most of it in its
+LayerNorms and its attention backward (bench/RESULTS.md). :func:`tune_malloc` (called by
+:func:`ringcomm.init` in every process) raises the mmap and trim thresholds so freed buffers
+are reused. It trades returning memory to the system promptly for speed: the peak is the
+same, but the process keeps it; ``RINGCOMM_MALLOC_TUNING=0`` turns it off.
 
 :func:`raise_fd_limit` lifts the open-file limit to its hard maximum: every connection to
 a rank's sockets holds a descriptor until it is dropped, and libzmq aborts the process when

@@ -147,8 +147,9 @@ def block_backward(q, k, v, q_spans, k_spans, lse, do, D, scale, dq):
             ds = do[..., qs, :] @ v[..., ks, :].swapaxes(-1, -2)
             ds -= D[..., qs, :]
             ds *= s
-            dq[..., qs, :] += (ds @ k[..., ks, :]) * scale
-            dk[..., ks, :] += (ds.swapaxes(-1, -2) @ q[..., qs, :]) * scale
+            ds *= scale  # once here, not on both products below
+            dq[..., qs, :] += ds @ k[..., ks, :]
+            dk[..., ks, :] += ds.swapaxes(-1, -2) @ q[..., qs, :]
     return dk, dv
 
 

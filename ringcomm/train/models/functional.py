@@ -30,6 +30,14 @@ def sum_rows(a):
     return a.reshape(-1, a.shape[-1]).sum(axis=0)
 
 
+def residual(h, y, b):
+    """``h + y + b`` (a residual, a layer's output ``y`` and its bias), written into ``y``,
+    which the caller gives up; the same bits as the three-operand sum."""
+    y += f32(h)  # h + y == y + h exactly
+    y += f32(b)
+    return y
+
+
 def matmul_weight_grad(x, dy):
     """``xᵀ dy`` over all leading axes: the gradient of ``W`` in ``y = x @ W``."""
     return x.reshape(-1, x.shape[-1]).T @ dy.reshape(-1, dy.shape[-1])
@@ -40,21 +48,33 @@ def layer_norm_forward(x, w, b):
     """``(x − mean) / sqrt(var + 1e-5) · w + b`` over the last axis (biased variance)."""
     xp = array_module(x)
     x = f32(x)
-    mu = x.mean(axis=-1, keepdims=True)
-    xc = x - mu
-    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + LN_EPS)
-    xhat = xc * rstd
-    return xhat * f32(w) + f32(b), (xhat, rstd)
+    xhat = x - x.mean(axis=-1, keepdims=True)
+    var = xp.square(xhat).mean(axis=-1, keepdims=True)
+    var += LN_EPS
+    rstd = xp.sqrt(var, out=var)
+    xp.divide(1.0, rstd, out=rstd)
+    xhat *= rstd
+    y = xhat * f32(w)
+    y += f32(b)
+    return y, (xhat, rstd)
 
 
 def layer_norm_backward(cache, w, dy):
+    """``(dx, dw, db)``; ``dx`` a new array."""
     xhat, rstd = cache
     dy = f32(dy)
-    dw = sum_rows(dy * xhat)
+    t = dy * xhat
+    dw = sum_rows(t)
     db = sum_rows(dy)
-    dxhat = dy * f32(w)
-    dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
-                 - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    dx = dy * f32(w)  # d xhat, turned into dx in place below
+    xp = array_module(dx)
+    xp.multiply(dx, xhat, out=t)
+    c2 = t.mean(axis=-1, keepdims=True)
+    c1 = dx.mean(axis=-1, keepdims=True)
+    xp.multiply(xhat, c2, out=t)
+    dx -= c1
+    dx -= t
+    dx *= rstd
     return dx, dw, db
 
 

@@ -161,17 +161,19 @@ class Block:
         h = F.f32(h)
         a, ln1 = F.layer_norm_forward(h, ln1w, ln1b)
         a = rg.enter_forward(a)
-        qkv = a @ F.f32(w_qkv) + F.f32(b_qkv)
+        qkv = a @ F.f32(w_qkv)
+        qkv += F.f32(b_qkv)
         q, k, v = (self._heads(part) for part in xp.split(qkv, 3, axis=-1))
         o, att_cache = self.ctx.attention.forward(q, k, v)
         att = o.transpose(0, 2, 1, 3).reshape(a.shape[0], a.shape[1], -1)
-        h1 = h + rg.exit_forward(att @ F.f32(w_o)) + F.f32(b_o)
+        h1 = F.residual(h, rg.exit_forward(att @ F.f32(w_o)), b_o)
         m, ln2 = F.layer_norm_forward(h1, ln2w, ln2b)
         m = rg.enter_forward(m)
-        u = m @ F.f32(w_in) + F.f32(b_in)
+        u = m @ F.f32(w_in)
+        u += F.f32(b_in)
         g, gelu = F.gelu_forward(u)
-        out = h1 + rg.exit_forward(g @ F.f32(w_out)) + F.f32(b_out)
-        return out.astype(self.ctx.dtype), (ln1, a, att_cache, att, ln2, m, gelu, g)
+        out = F.residual(h1, rg.exit_forward(g @ F.f32(w_out)), b_out)
+        return out.astype(self.ctx.dtype, copy=False), (ln1, a, att_cache, att, ln2, m, gelu, g)
 
     def backward(self, ps, cache, dout):
         ln1w, ln1b, w_qkv, b_qkv, w_o, b_o, ln2w, ln2b, w_in, b_in, w_out, b_out = ps
@@ -187,8 +189,8 @@ class Block:
         db_in = F.sum_rows(du)
         dw_in = F.matmul_weight_grad(m, du)
         dm = rg.enter_backward(du @ F.f32(w_in).T)
-        dx, dln2w, dln2b = F.layer_norm_backward(ln2, ln2w, dm)
-        dh = dh1 + dx
+        dh, dln2w, dln2b = F.layer_norm_backward(ln2, ln2w, dm)
+        dh += dh1
         # attention: h1 = h + exit(att @ w_o) + b_o
         db_o = F.sum_rows(dh)
         dy = rg.exit_backward(dh)
@@ -196,16 +198,19 @@ class Block:
         datt = dy @ F.f32(w_o).T
         do = self._heads(datt)
         dq, dk, dv = self.ctx.attention.backward(att_cache, do)
-        b, s = datt.shape[:2]
-        dqkv = xp.concatenate([part.transpose(0, 2, 1, 3).reshape(b, s, -1) for part in (dq, dk, dv)], axis=-1)
+        b, s, width = datt.shape
+        dqkv = xp.empty((b, s, 3 * width), np.float32)
+        columns = dqkv.reshape(b, s, 3, self.ctx.heads, width // self.ctx.heads)
+        for j, part in enumerate((dq, dk, dv)):  # (b, H, s, dh) into its columns: one copy each
+            columns[:, :, j] = part.transpose(0, 2, 1, 3)
         db_qkv = F.sum_rows(dqkv)
         dw_qkv = F.matmul_weight_grad(a, dqkv)
         da = rg.enter_backward(dqkv @ F.f32(w_qkv).T)
         dx, dln1w, dln1b = F.layer_norm_backward(ln1, ln1w, da)
-        dh = dh + dx
+        dh += dx
         dln1w, dln1b, db_o, dln2w, dln2b, db_out = rg.sum_partial([dln1w, dln1b, db_o, dln2w, dln2b, db_out])
         grads = [dln1w, dln1b, dw_qkv, db_qkv, dw_o, db_o, dln2w, dln2b, dw_in, db_in, dw_out, db_out]
-        return grads, dh.astype(self.ctx.dtype)
+        return grads, dh.astype(self.ctx.dtype, copy=False)
 
 
 class Head:
