@@ -71,7 +71,7 @@ class StagedDevice(HostDevice):
         self.slot_copies = 0  # copies straight between the device and a lane slot
 
     def attach(self, session):
-        """Copy through ``transport``'s lane slots from now on; what the device did to their
+        """Copy through ``session``'s lane slots from now on; what the device did to their
         memory (registering it) is undone before the wire unmaps it."""
         if self._session is not session:
             self._session = session

@@ -5,12 +5,12 @@ for every intermediate result of a training step. With glibc's defaults a buffer
 mmap threshold is a new memory mapping, and freed memory at the top of the heap is handed
 back to the system at once: every such buffer then faults in its pages afresh. That alone
 capped ZeroMQ at ≈0.8 GB/s on 64 MiB messages on this machine kind (see shared/ANCHORS.md),
-against 2.3–3 GB/s once glibc reuses memory, and made one GPT block's forward and backward
-(batch 16, 128 positions, width 256) take about 25 % more CPU time, most of it in its
-LayerNorms and its attention backward (bench/RESULTS.md). :func:`tune_malloc` (called by
+against 2.3–3 GB/s once glibc reuses memory, and made the trainer's GPT step take about
+20 % more CPU time (bench/gpt_phases.py, bench/RESULTS.md). :func:`tune_malloc` (called by
 :func:`ringcomm.init` in every process) raises the mmap and trim thresholds so freed buffers
-are reused. It trades returning memory to the system promptly for speed: the peak is the
-same, but the process keeps it; ``RINGCOMM_MALLOC_TUNING=0`` turns it off.
+are reused. It trades returning memory to the system promptly for speed: the process keeps
+what it freed, up to the trim threshold; ``RINGCOMM_MALLOC_TUNING=0`` turns it off. Older
+glibc refuses an mmap threshold above 32 MiB; it then gets 32 MiB.
 
 :func:`raise_fd_limit` lifts the open-file limit to its hard maximum: every connection to
 a rank's sockets holds a descriptor until it is dropped, and libzmq aborts the process when
@@ -25,14 +25,16 @@ import resource
 log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 64 << 20   # allocations up to 64 MiB come from the heap and are reused
+OLD_GLIBC_MMAP_THRESHOLD = 32 << 20  # the most glibc before 2.26 takes (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 512 << 20  # keep up to 512 MiB of freed heap instead of returning it
 
 _done = False
+mmap_threshold = None  # the threshold applied, once applied
 
 
 def tune_malloc():
     """Apply the thresholds once per process (glibc only); returns True if applied."""
-    global _done
+    global _done, mmap_threshold
     if _done or os.environ.get("RINGCOMM_MALLOC_TUNING", "1") == "0":
         return _done
     try:
@@ -40,10 +42,14 @@ def tune_malloc():
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False  # not glibc: nothing to tune
-    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    _done = bool(ok)
-    if not ok:
-        log.debug("mallopt refused the thresholds")
+    for threshold in (MMAP_THRESHOLD, OLD_GLIBC_MMAP_THRESHOLD):
+        if mallopt(M_MMAP_THRESHOLD, threshold):
+            mmap_threshold = threshold
+            break
+    _done = mmap_threshold is not None and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not _done:
+        log.info("malloc tuning refused by this C library: large buffers are mapped afresh "
+                    "each time (slower; see ringcomm.transport.tuning)")
     return _done
 
 
