@@ -4,13 +4,14 @@ libzmq allocates a fresh buffer for every large incoming message, and numpy a fr
 for every intermediate result of a training step. With glibc's defaults a buffer above the
 mmap threshold is a new memory mapping, and freed memory at the top of the heap is handed
 back to the system at once: every such buffer then faults in its pages afresh. That alone
-capped ZeroMQ at ≈0.8 GB/s on 64 MiB messages on this machine kind (see shared/ANCHORS.md),
-against 2.3–3 GB/s once glibc reuses memory, and made the trainer's GPT step take about
-20 % more CPU time (bench/gpt_phases.py, bench/RESULTS.md). :func:`tune_malloc` (called by
+capped ZeroMQ at ≈0.8 GB/s on 64 MiB messages on this machine kind,
+against 2.3–3 GB/s once glibc reuses memory, and made the GPT step as bench/gpt_phases.py
+runs it take about 20 % more CPU time (bench/RESULTS.md). :func:`tune_malloc` (called by
 :func:`ringcomm.init` in every process) raises the mmap and trim thresholds so freed buffers
 are reused. It trades returning memory to the system promptly for speed: the process keeps
 what it freed, up to the trim threshold; ``RINGCOMM_MALLOC_TUNING=0`` turns it off. Older
-glibc refuses an mmap threshold above 32 MiB; it then gets 32 MiB.
+glibc refuses an mmap threshold above 32 MiB; it then gets 32 MiB, and buffers of 32 MiB or
+more are still mapped afresh there. If the C library refuses both, nothing is tuned.
 
 :func:`raise_fd_limit` lifts the open-file limit to its hard maximum: every connection to
 a rank's sockets holds a descriptor until it is dropped, and libzmq aborts the process when
@@ -25,7 +26,7 @@ import resource
 log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 64 << 20   # allocations up to 64 MiB come from the heap and are reused
-OLD_GLIBC_MMAP_THRESHOLD = 32 << 20  # the most glibc before 2.26 takes (HEAP_MAX_SIZE / 2)
+OLD_GLIBC_MMAP_THRESHOLD = 32 << 20  # the most older glibc takes (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 512 << 20  # keep up to 512 MiB of freed heap instead of returning it
 
 _done = False
