@@ -45,6 +45,11 @@ def _problem(ns):
     return shape, gpt_init(shape, 0), x, y
 
 
+def phase(layer):
+    """The phase a layer's time is counted in: the embedding, the head, or the blocks."""
+    return layer.name if layer.name in ("embedding", "head") else "blocks"
+
+
 def _ringcomm_step(model, params, x, y, adam, flat, flat_grad, grad_views):
     """{phase: CPU s} of one step."""
     tick, phases = time.process_time(), {}
@@ -58,16 +63,14 @@ def _ringcomm_step(model, params, x, y, adam, flat, flat_grad, grad_views):
     for layer in model.layers:
         h, cache = layer.forward([params[g] for g in layer.params], h)
         caches.append(cache)
-        mark("embedding forward" if layer.name == "embedding" else
-             "head forward" if layer.name == "head" else "blocks forward")
+        mark(f"{phase(layer)} forward")
     _, grad = model.loss(h, y, y.size)
     mark("loss")
     for layer, cache in zip(reversed(model.layers), reversed(caches), strict=True):
         grads, grad = layer.backward([params[g] for g in layer.params], cache, grad)
         for g, piece in zip(layer.params, grads, strict=True):
             grad_views[g] += piece  # the tied wte gets the head's and the embedding's
-        mark("embedding backward" if layer.name == "embedding" else
-             "head backward" if layer.name == "head" else "blocks backward")
+        mark(f"{phase(layer)} backward")
     adam.begin_step()
     adam.update(flat, flat_grad)
     flat_grad[...] = 0

@@ -11,7 +11,7 @@ from .. import env
 from . import liveness, rendezvous
 from .credit import P2P_WINDOW_BYTES
 from .security import Guard
-from .tuning import raise_fd_limit, tune_malloc
+from .tuning import raise_fd_limit
 from . import shm
 from .same_host import LanePlan
 from .zmq_transport import ZmqTransport
@@ -52,7 +52,6 @@ def connect(info):
 
     ``info`` is a :class:`ringcomm.env.JobInfo`. Returns a :class:`ZmqTransport`.
     """
-    tune_malloc()
     raise_fd_limit()
     context = zmq.Context()
     pull = guard = None

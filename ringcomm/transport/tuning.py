@@ -29,29 +29,27 @@ MMAP_THRESHOLD = 64 << 20   # allocations up to 64 MiB come from the heap and ar
 OLD_GLIBC_MMAP_THRESHOLD = 32 << 20  # the most older glibc takes (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 512 << 20  # keep up to 512 MiB of freed heap instead of returning it
 
-_done = False
-mmap_threshold = None  # the threshold applied, once applied
+mmap_threshold = None  # the mmap threshold applied, once both thresholds took
 
 
 def tune_malloc():
     """Apply the thresholds once per process (glibc only); returns True if applied."""
-    global _done, mmap_threshold
-    if _done or os.environ.get("RINGCOMM_MALLOC_TUNING", "1") == "0":
-        return _done
+    global mmap_threshold
+    if mmap_threshold is not None or os.environ.get("RINGCOMM_MALLOC_TUNING", "1") == "0":
+        return mmap_threshold is not None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False  # not glibc: nothing to tune
-    for threshold in (MMAP_THRESHOLD, OLD_GLIBC_MMAP_THRESHOLD):
-        if mallopt(M_MMAP_THRESHOLD, threshold):
-            mmap_threshold = threshold
-            break
-    _done = mmap_threshold is not None and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    if not _done:
-        log.info("malloc tuning refused by this C library: large buffers are mapped afresh "
-                    "each time (slower; see ringcomm.transport.tuning)")
-    return _done
+    threshold = next((t for t in (MMAP_THRESHOLD, OLD_GLIBC_MMAP_THRESHOLD)
+                      if mallopt(M_MMAP_THRESHOLD, t)), None)
+    if threshold is not None and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):
+        mmap_threshold = threshold
+        return True
+    log.info("malloc tuning refused by this C library: large buffers are mapped afresh "
+             "each time (slower; see ringcomm.transport.tuning)")
+    return False
 
 
 def raise_fd_limit():

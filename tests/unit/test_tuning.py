@@ -28,7 +28,7 @@ for i in range(6):
 before = faults()
 for i in range(9):
     a = np.ones(sizes[i % 3] // 4, np.float32); del a
-print(json.dumps({"tuned": tuning._done, "threshold": tuning.mmap_threshold, "faults": faults() - before}))
+print(json.dumps({"tuned": tuning.mmap_threshold is not None, "threshold": tuning.mmap_threshold, "faults": faults() - before}))
 comm.close()
 """
 
