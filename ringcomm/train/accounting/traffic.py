@@ -14,8 +14,8 @@ of S bytes (T−1)/T·S.
   MLP (:func:`mlp_layer_tp`), per micro-batch of b rows: Σ_row c(b·out·e) + Σ_column, not
   first, c(b·in·e) + (T−1)·b·⌈classes/T⌉·e for a final all-gather of the logits.
 - **cp** (GPT): per block and micro-batch, ring attention's K and V blocks, E = 2·b·R·h/T
-  fp32 elements: forward (C−1)·E·4, backward (C−1)·E·4 + C·E·4 (dK and dV go all the way
-  home).
+  fp32 elements: forward (C−1)·E·4, backward (C−1)·E·4 + (C−1)·E·4 (each block's dK and
+  dV start one rank after its owner and travel on, home).
 - **pp**: per micro-batch, the stage's output activation forward (all stages but the last)
   and its input gradient backward (all but the first).
 - **data**: the strategy's own (DDP and ZeRO-1/2: 2(N−1)/N·Φ·e; ZeRO-3: (N−1)/N·e·(2M·Σ
@@ -111,7 +111,7 @@ def _gpt_cp(cfg, mesh, stage, b):
     blocks = sum(1 for layer in stage.layers if layer.name.startswith("block"))
     E = 2 * b * (cfg.seq_len // C) * cfg.d_model // mesh.tp
     forward = (C - 1) * E * 4
-    backward = (C - 1) * E * 4 + C * E * 4
+    backward = 2 * (C - 1) * E * 4
     return blocks * (forward * (2 if cfg.recompute else 1) + backward)
 
 

@@ -16,13 +16,15 @@ each block's probabilities ``P = exp(s − lse)`` and uses ``D = rowsum(dO ∘ O
 
 **Ring attention** (``cp`` group of C ranks, rank c): the local block first, then C−1 hops,
 each rank sending the block it holds to rank c+1 and receiving one from rank c−1 while it
-computes on the one it has. Backward sends K, V and their gradient accumulators dK, dV the
-same way; after the last block a final hop brings dK, dV home. Bytes sent per rank and layer
-call, with a block of ``E`` elements (K and V together, ``2·b·(s/C)·h``), all float32 (4
-bytes; attention computes in float32 whatever the storage precision): forward (C−1)·E·4,
-backward (C−1)·E·4 + C·E·4. Every hop is in flight while a block
-computes: a K/V hop during the block before it, a dK/dV hop during the next block's
-gradients (only the last one, bringing them home, is waited for at once). With the causal mask the sequence is cut
+computes on the one it has. Backward sends K, V the same way, and the gradient accumulators
+dK, dV of each block after them: a rank keeps its own block's gradients, the accumulator of
+block j starts at rank j+1 and travels on, and after the last block a final hop brings it
+home to rank j, which adds its own. Bytes sent per rank and layer call, with a block of
+``E`` elements (K and V together, ``2·b·(s/C)·h``), all float32 (4 bytes; attention
+computes in float32 whatever the storage precision): forward (C−1)·E·4, backward
+(C−1)·E·4 + (C−1)·E·4. Every hop is in flight while a block computes: a K/V hop during
+the block before it, a dK/dV hop during the next block's gradients (only the last one,
+bringing them home, is waited for at once). With the causal mask the sequence is cut
 into 2C chunks and rank c holds chunks c and 2C−1−c (:func:`zigzag_spans`): every rank then
 computes the same number of unmasked (query chunk, key chunk) pairs, 2C+1.
 
@@ -132,10 +134,11 @@ class Accumulator:
         return self.o / self.l, self.m + array_module(self.l).log(self.l)
 
 
-def block_backward(q, k, v, q_spans, k_spans, lse, do, D, scale, dq):
-    """Gradients through one block: adds into ``dq``, returns ``(dk, dv)`` of the block."""
+def block_backward(q, k, v, q_spans, k_spans, lse, do, D, scale, dq, out=None):
+    """Gradients through one block: adds into ``dq``, returns ``(dk, dv)`` of the block
+    (``out``: two zeroed arrays of k's shape to write them into)."""
     xp = array_module(q)
-    dk, dv = xp.zeros(k.shape, np.float32), xp.zeros(v.shape, np.float32)
+    dk, dv = out if out is not None else (xp.zeros(k.shape, np.float32), xp.zeros(v.shape, np.float32))
     for qs, qa, qb in _pieces(q_spans):
         for ks, ka, kb in _pieces(k_spans):
             s = _scores(q[..., qs, :], k[..., ks, :], qa, qb, ka, kb, scale)
@@ -173,6 +176,15 @@ class LocalAttention:
         return dq, dk, dv
 
 
+def _pack(k, v):
+    """K and V in one contiguous (2, ...) array: one message per hop. (Two copies into an
+    empty array: ``stack`` keeps the layout of k's transposed view, and making that
+    contiguous would copy twice.)"""
+    kv = array_module(k).empty((2, *k.shape), np.float32)
+    kv[0], kv[1] = k, v
+    return kv
+
+
 class RingAttention:
     """Ring attention over the cp group ``group`` (see the module docstring). Every rank's
     spans follow from its group rank (:func:`zigzag_spans`), so blocks travel as bare K/V."""
@@ -199,7 +211,7 @@ class RingAttention:
 
     def forward(self, q, k, v):
         acc = Accumulator(q, self.spans, 1.0 / math.sqrt(q.shape[-1]))
-        kv = array_module(k).ascontiguousarray(array_module(k).stack([k, v]))  # one message per hop
+        kv = _pack(k, v)  # one message per hop
         for step in range(self.cp):
             hop = self._ring(kv, step, KV_TAG) if step < self.cp - 1 else None
             t0 = time.perf_counter()
@@ -217,25 +229,34 @@ class RingAttention:
         scale = 1.0 / math.sqrt(q.shape[-1])
         dq = xp.zeros(q.shape, np.float32)
         D = (do * o).sum(axis=-1, keepdims=True)
-        kv = xp.ascontiguousarray(xp.stack([k, v]))
+        kv = _pack(k, v)
+        own = None         # dK, dV of this rank's own block: they stay here
         travelling = None  # (incoming dK/dV accumulator, its hop) of the block held next
         for step in range(self.cp):
             hop = self._ring(kv, step, KV_TAG) if step < self.cp - 1 else None
+            # a block's accumulator starts one rank after its owner: at step 1, written here
+            fresh = xp.zeros(kv.shape, np.float32) if step == 1 else None
             t0 = time.perf_counter()
             dk, dv = block_backward(q, kv[0], kv[1], self.spans, self.spans_of[(self.c - step) % self.cp],
-                                    lse, do, D, scale, dq)
+                                    lse, do, D, scale, dq, out=None if fresh is None else (fresh[0], fresh[1]))
             self.compute_s += time.perf_counter() - t0
-            if travelling is None:
-                grads = xp.zeros(kv.shape, np.float32)
+            if step == 0:
+                own = dk, dv
+            elif fresh is not None:
+                travelling = self._ring(fresh, step, GRAD_TAG)
             else:  # the accumulator of this block, sent on while the block above computed
                 self._wait(travelling[1])
                 grads = travelling[0]
-            grads[0] += dk
-            grads[1] += dv
-            travelling = self._ring(grads, step, GRAD_TAG)  # the last hop brings them home
+                grads[0] += dk
+                grads[1] += dv
+                travelling = self._ring(grads, step, GRAD_TAG)  # the last hop brings it home
             if hop is not None:
                 self._wait(hop[1])
                 kv = hop[0]
-        self._wait(travelling[1])
-        grads = travelling[0]
-        return dq, grads[0], grads[1]
+        dk, dv = own
+        if travelling is not None:
+            self._wait(travelling[1])
+            grads = travelling[0]
+            dk += grads[0]
+            dv += grads[1]
+        return dq, dk, dv
